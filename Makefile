@@ -1,0 +1,36 @@
+# Set-up and aliases only: every experiment is `make NAME` = `python train.py NAME $(ARGS)`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+READY := $(VENV)/.ready
+
+.PHONY: help install test bench list clean
+
+help:
+	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
+	@echo "make test     the test suite (8 fake CPU devices)"
+	@echo "make bench    proxy step time and model-FLOP rate vs a same-run matmul ceiling"
+	@echo "make install  create $(VENV) with the pinned dependencies"
+
+$(READY): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(READY)
+
+list: $(READY)
+	@$(PY) train.py --list
+
+test: $(READY)
+	$(PY) -m pytest
+
+bench: $(READY)
+	$(PY) benchmarks/bench.py $(ARGS)
+
+llama%: $(READY)
+	$(PY) train.py $@ $(ARGS)
+
+clean:
+	rm -rf runs

@@ -1,0 +1,200 @@
+"""Run configs, named experiments, and `key=value` overrides. No JAX import (see model.config).
+
+An experiment is a full-scale model and run (the study's setting) plus a proxy: the same family
+at a size a laptop runs in about a second a step. `scale=auto` picks whichever the machine can run.
+"""
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from model.config import LlamaConfig
+
+DTYPES = ("bfloat16", "float32", "float16")
+SCALES = ("auto", "full", "proxy")
+QUANTS = ("none",)  # NVFP4 weight quantization lands with its own issue
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay to min_lr_ratio * lr, and global-norm clipping."""
+    lr: float = 3e-4
+    warmup_steps: int = 2
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards.
+    fsdp=-1 takes all the devices the data axis leaves."""
+    data: int = 1
+    fsdp: int = -1
+
+    def shape(self, n_devices: int) -> tuple[int, int]:
+        return self.data, (n_devices // self.data if self.fsdp == -1 else self.fsdp)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Synthetic tokens when `path` is empty; else a flat token file (.bin, as nanoGPT writes)."""
+    path: str = ""
+    dtype: str = "uint16"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    per_device_batch: int = 2
+    global_batch: int = 0  # 0: per_device_batch x devices
+    seq: int = 8192
+    steps: int = 10
+    optimizer: OptimizerConfig = OptimizerConfig()
+    compute_dtype: str = "bfloat16"  # activations and matmuls; weights are cast per layer
+    param_dtype: str = "float32"  # master weights and optimizer state
+    mesh: MeshConfig = MeshConfig()
+    policy: str = "remat"  # a preset of offload.policies, or "none" (no checkpointing)
+    placements: Mapping[str, str] = dataclasses.field(default_factory=dict)  # policy.<tag>=...
+    xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
+    quant: str = "none"
+    data: DataConfig = DataConfig()
+    seed: int = 0
+    scale: str = "auto"
+    init_from: str = ""  # a Hugging Face Llama checkpoint directory
+    out_dir: str = "runs"
+    profile: bool = False
+
+    def batch(self, n_devices: int) -> int:
+        return self.global_batch or self.per_device_batch * n_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    name: str
+    summary: str
+    model: LlamaConfig
+    proxy_model: LlamaConfig
+    run: RunConfig
+    proxy_run: Mapping[str, Any]  # RunConfig fields that change at proxy scale
+
+    def at_scale(self, scale: str) -> tuple[LlamaConfig, RunConfig]:
+        if scale == "full":
+            return self.model, self.run
+        return self.proxy_model, dataclasses.replace(self.run, **self.proxy_run)
+
+
+EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register(*experiments: Experiment) -> None:
+    for e in experiments:
+        EXPERIMENTS[e.name] = e
+
+
+class ConfigError(ValueError):
+    """Bad experiment name, override or combination: reported as one line, exit status 2."""
+
+
+def get(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment {name!r}; `python train.py --list` shows them")
+    return EXPERIMENTS[name]
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    pairs = {}
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"expected key=value, got {arg!r}")
+        pairs[key] = value
+    return pairs
+
+
+def _coerce(key: str, text: str, kind) -> Any:
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    if text.lower() == "none" and type(None) in options:
+        return None
+    for option in (o for o in options if o is not type(None)):
+        if option is bool:
+            if text.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return text.lower() in ("true", "1", "yes")
+        elif option in (int, float, str):
+            try:
+                return option(text)
+            except ValueError:
+                pass
+    names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise ConfigError(f"{key}={text!r}: expected {names}")
+
+
+def _set(obj, path: list[str], text: str, full_key: str):
+    """A copy of dataclass `obj` with the field at `path` set from `text`, typed by the field."""
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = path[0]
+    if name not in fields:
+        raise ConfigError(f"unknown key {full_key!r}; {type(obj).__name__} has "
+                          f"{', '.join(fields)}")
+    value, kind = getattr(obj, name), typing.get_type_hints(type(obj))[name]
+    if typing.get_origin(kind) is Mapping:
+        if len(path) != 2:
+            raise ConfigError(f"{full_key}: write {name}.<key>=<value>")
+        return dataclasses.replace(obj, **{name: {**value, path[1]: text}})
+    if dataclasses.is_dataclass(value):
+        if len(path) == 1:
+            raise ConfigError(f"{full_key} is a group; set one of its fields, e.g. "
+                              f"{full_key}.{dataclasses.fields(value)[0].name}=...")
+        return dataclasses.replace(obj, **{name: _set(value, path[1:], text, full_key)})
+    if len(path) > 1:
+        raise ConfigError(f"unknown key {full_key!r}: {name} has no sub-fields")
+    return dataclasses.replace(obj, **{name: _coerce(full_key, text, kind)})
+
+
+def apply_overrides(model: LlamaConfig, run: RunConfig, overrides: Mapping[str, str]):
+    """`model.<field>=...` sets the architecture, `policy.<tag>=...` one placement, and any
+    other dotted key a run field. Every value is typed by the field it sets."""
+    for key, text in overrides.items():
+        path = key.split(".")
+        if path[0] == "model" and len(path) > 1:
+            model = _set(model, path[1:], text, key)
+        elif path[0] == "policy" and len(path) == 2:
+            run = _set(run, ["placements", path[1]], text, key)
+        else:
+            run = _set(run, path, text, key)
+    return model, run
+
+
+def problems(model: LlamaConfig, run: RunConfig, n_devices: int) -> list[str]:
+    """Every impossible combination for this many devices, one line each."""
+    found = list(model.problems())
+    choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
+               "quant": QUANTS}
+    found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
+              for k, v in choices.items() if getattr(run, k) not in v]
+    if run.data.dtype not in ("uint16", "uint32"):
+        found.append(f"data.dtype={run.data.dtype!r}: choose uint16 or uint32")
+    for name in ("per_device_batch", "seq", "steps"):
+        if getattr(run, name) < 1:
+            found.append(f"{name} must be at least 1, got {getattr(run, name)}")
+    if run.seq > model.max_position:
+        found.append(f"seq={run.seq} is longer than the RoPE table allows "
+                     f"(model.max_position={model.max_position})")
+    data, fsdp = run.mesh.shape(n_devices)
+    if data < 1 or fsdp < 1 or data * fsdp != n_devices:
+        found.append(f"mesh data={run.mesh.data} x fsdp={run.mesh.fsdp} does not cover the "
+                     f"{n_devices} devices")
+    elif run.batch(n_devices) % (data * fsdp):
+        found.append(f"global_batch={run.batch(n_devices)} is not divisible over the "
+                     f"{data * fsdp} data x fsdp devices")
+    found += [f"xla_flags.{flag}: XLA flag names start with xla_"
+              for flag in run.xla_flags if not flag.startswith("xla_")]
+    if run.optimizer.lr <= 0 or run.optimizer.warmup_steps < 0:
+        found.append("optimizer.lr must be positive and optimizer.warmup_steps non-negative")
+    return found
+
+
+from configs import llama3  # noqa: E402,F401  (registers the Llama experiments)

@@ -1,0 +1,58 @@
+"""Llama 3.1 models and the study's Llama 405B experiments (experiments.md, the Llama table)."""
+
+import dataclasses
+
+from configs import Experiment, MeshConfig, RunConfig, register
+from model.config import LlamaConfig
+
+LLAMA31_8B = LlamaConfig(vocab=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         head_dim=128, d_ff=14_336)
+LLAMA31_70B = dataclasses.replace(LLAMA31_8B, d_model=8192, n_layers=80, n_heads=64, d_ff=28_672)
+LLAMA31_405B = dataclasses.replace(LLAMA31_8B, d_model=16_384, n_layers=126, n_heads=128,
+                                   d_ff=53_248)
+
+# Proxies: same family and head/width ratios (GQA group N/K, F/D), four 512-wide layers and a
+# 32k vocabulary, so a CPU training step at batch 2 x 256 tokens takes about a second.
+_PROXY = dict(vocab=32_768, d_model=512, n_layers=4)
+PROXY_8B = dataclasses.replace(LLAMA31_8B, **_PROXY, n_heads=8, n_kv_heads=2, head_dim=64,
+                               d_ff=1792)
+PROXY_70B = dataclasses.replace(LLAMA31_70B, **_PROXY, n_heads=8, n_kv_heads=1, head_dim=64,
+                                d_ff=1792)
+PROXY_405B = dataclasses.replace(LLAMA31_405B, **_PROXY, n_heads=16, n_kv_heads=1, head_dim=32,
+                                 d_ff=1664)
+
+# A CPU has no bf16 matmul units (bf16 runs ~2x slower than f32 there), so proxies compute in
+# f32; the run header says so. Full scale computes in bf16, as the study did.
+PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig())
+
+# The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16.
+STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
+                       compute_dtype="bfloat16")
+LHS = "xla_gpu_enable_latency_hiding_scheduler"
+PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
+ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
+
+
+def _llama405b(name: str, summary: str, **run_changes) -> Experiment:
+    return Experiment(name, summary, LLAMA31_405B, PROXY_405B,
+                      dataclasses.replace(STUDY_405B, **run_changes), PROXY_RUN)
+
+
+register(
+    _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
+               policy="remat", xla_flags={LHS: "true"}),
+    _llama405b("llama405b-offload", "row 2: Q/K/V offloaded to host; LHS on (the study's best)",
+               policy="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
+    _llama405b("llama405b-offload-nolhs", "row 3: Q/K/V offloaded; latency hiding scheduler off",
+               policy="qkv_offload", xla_flags={LHS: "false"}),
+    _llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
+               policy="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
+    Experiment("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)",
+               LLAMA31_8B, PROXY_8B, dataclasses.replace(
+                   STUDY_405B, mesh=MeshConfig(fsdp=8), policy="qkv_offload",
+                   xla_flags={LHS: "true"}), PROXY_RUN),
+    Experiment("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64",
+               LLAMA31_70B, PROXY_70B, dataclasses.replace(
+                   STUDY_405B, mesh=MeshConfig(fsdp=64), policy="qkv_offload",
+                   xla_flags={LHS: "true"}), PROXY_RUN),
+)

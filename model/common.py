@@ -1,0 +1,139 @@
+"""Machinery shared by the model families: logical sharding, abstract parameters, layers."""
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from model.config import Llama3RopeScaling
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """Logical axis name -> mesh axis (or axes, or None for replicated).
+
+    Model code names what an axis *is* (batch, embed, heads); only this table says which mesh
+    axis shards it, so a new parallelism is one edited default, not edits across the model.
+    FSDP: weights are sharded along `embed`, activations along `batch`, over the same devices.
+    """
+    batch: MeshAxes = ("data", "fsdp")
+    seq: MeshAxes = None
+    embed: MeshAxes = "fsdp"
+    vocab: MeshAxes = None
+    heads: MeshAxes = None
+    kv_heads: MeshAxes = None
+    head_dim: MeshAxes = None
+    mlp: MeshAxes = None
+    layers: MeshAxes = None
+
+    def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
+        mapped = [getattr(self, name) if name else None for name in logical]
+        used = [a for m in mapped if m for a in ((m,) if isinstance(m, str) else m)]
+        if len(used) != len(set(used)):
+            raise ValueError(f"logical axes {logical} map a mesh axis twice: {mapped}")
+        return PartitionSpec(*mapped)
+
+
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None):
+    """A mesh whose axes are all Auto: XLA propagates shardings from the hints we give."""
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def constrain(x: jax.Array, rules: AxisRules | None, logical: tuple[str | None, ...]):
+    """Sharding hint for an activation (needs an ambient mesh); no-op without rules."""
+    return x if rules is None else jax.lax.with_sharding_constraint(x, rules.spec(logical))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter before it exists: shape, logical axes and how to initialise it."""
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    std: float | None = None  # normal(0, std); None means ones (norm weights)
+
+
+def stack(spec: ParamSpec, n: int) -> ParamSpec:
+    """The same parameter for n layers, stacked on a leading `layers` axis (scanned over)."""
+    return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.std)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_count(specs) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_spec))
+
+
+def abstract_params(specs, dtype=jnp.float32):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=_is_spec)
+
+
+def param_shardings(specs, rules: AxisRules, mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, rules.spec(s.axes)), specs, is_leaf=_is_spec)
+
+
+def init_params(specs, rules: AxisRules, mesh, key: jax.Array, dtype=jnp.float32):
+    """Random parameters, each created already sharded: no full tensor on one device."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    shardings = jax.tree.leaves(param_shardings(specs, rules, mesh))
+
+    @partial(jax.jit, out_shardings=shardings)
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        return [jnp.ones(s.shape, dtype) if s.std is None
+                else s.std * jax.random.normal(k, s.shape, dtype) for s, k in zip(leaves, keys)]
+
+    return jax.tree.unflatten(treedef, make(key))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Hugging Face computes it: statistics in fp32, back to x's dtype, then weight."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [H/2], with Llama-3.1 scaling: keep the high frequencies, divide the
+    low ones by `factor`, and blend linearly in between (by wavelength)."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return freqs.astype(np.float32)
+    wavelength = 2 * np.pi / freqs
+    context = scaling.original_max_position
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    blend = (context / wavelength - low) / (high - low)
+    blended = (1 - blend) * freqs / scaling.factor + blend * freqs
+    scaled = np.where(wavelength > context / low, freqs / scaling.factor, blended)
+    scaled = np.where(wavelength < context / high, freqs, scaled)
+    return scaled.astype(np.float32)
+
+
+def rope_tables(seq_len: int, freqs: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, H] in the rotate-half layout (the H/2 frequencies twice), angles in fp32."""
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on [B, T, heads, H]: dimension i pairs with i + H/2 (HF's layout)."""
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(H)) v with a causal mask; q [B,T,N,H], k and v [B,S,K,H].
+
+    Query head n reads kv head n // (N/K), Hugging Face's repeat-interleave GQA mapping.
+    The softmax runs in fp32. On GPU this picks cuDNN flash attention when it can.
+    """
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)

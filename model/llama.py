@@ -1,0 +1,100 @@
+"""Llama-3.1 decoder (Hugging Face `LlamaForCausalLM` numerics), layers run under lax.scan.
+
+Letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff,
+V vocab, L layers. Tags (`checkpoint_name`) use MaxText's names and positions, so a
+checkpoint policy can keep, offload or recompute each tensor by name.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
+                          param_count, rms_norm, rope_frequencies, rope_tables, stack)
+from model.config import LlamaConfig
+
+
+def param_specs(cfg: LlamaConfig) -> dict:
+    D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab
+    layer = {
+        "attn_norm": ParamSpec((D,), ("embed",)),
+        "wq": ParamSpec((D, N, H), ("embed", "heads", "head_dim"), D**-0.5),
+        "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
+        "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
+        "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed"), (N * H) ** -0.5),
+        "mlp_norm": ParamSpec((D,), ("embed",)),
+        "w_gate": ParamSpec((D, F), ("embed", "mlp"), D**-0.5),
+        "w_up": ParamSpec((D, F), ("embed", "mlp"), D**-0.5),
+        "w_down": ParamSpec((F, D), ("mlp", "embed"), F**-0.5),
+    }
+    return {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
+        "layers": {name: stack(spec, cfg.n_layers) for name, spec in layer.items()},
+        "final_norm": ParamSpec((D,), ("embed",)),
+        "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5),
+    }
+
+
+def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None):
+    """One decoder layer: x [B, T, D] -> [B, T, D]. `w` holds this layer's weights."""
+    x = checkpoint_name(x, "decoder_layer_input")
+    with jax.named_scope("attention"):
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
+        k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
+        v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+        q = checkpoint_name(apply_rope(q, cos, sin), "query_proj")
+        k = checkpoint_name(apply_rope(k, cos, sin), "key_proj")
+        v = checkpoint_name(v, "value_proj")
+        q = constrain(q, rules, ("batch", "seq", "heads", "head_dim"))
+        k = constrain(k, rules, ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, rules, ("batch", "seq", "kv_heads", "head_dim"))
+        attended = checkpoint_name(causal_attention(q, k, v), "attention_out")
+        out = checkpoint_name(jnp.einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
+        x = constrain(x + out, rules, ("batch", "seq", None))
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
+        up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
+        down = checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]),
+                               "mlpwo")
+        return constrain(x + down, rules, ("batch", "seq", None))
+
+
+def forward(params, tokens, cfg: LlamaConfig, *, policy=None, rules: AxisRules | None = None,
+            dtype=jnp.bfloat16):
+    """tokens [B, T] int -> logits [B, T, V] fp32.
+
+    `policy` is a `jax.checkpoint` policy for each layer; None means no checkpointing (every
+    residual autodiff wants is kept). Weights are cast to `dtype` (the compute dtype) per layer.
+    """
+    cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
+    x = constrain(x, rules, ("batch", "seq", None))
+
+    def layer(x, w):
+        w = jax.tree.map(lambda a: a.astype(dtype), w)
+        return block(x, w, cfg, cos, sin, rules), None
+
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    return jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
+    """Model FLOPs of one training step (forward + backward), MaxText's definition.
+
+    6 FLOPs per matmul weight per token (the embedding lookup counts as zero, the LM head
+    counts), plus causal attention at half the square: 3 x (4 B T^2 N H) / 2 per layer.
+    Recomputation is not counted. The weight count comes from the parameter specs.
+    """
+    specs = param_specs(cfg)
+    layer_matmuls = {k: v for k, v in specs["layers"].items() if len(v.shape) > 2}
+    matmul_weights = param_count(layer_matmuls) + param_count(specs["lm_head"])
+    _, _, n_heads, head_dim = specs["layers"]["wq"].shape
+    attention = 6 * cfg.n_layers * batch * seq**2 * n_heads * head_dim
+    return 6 * batch * seq * matmul_weights + attention

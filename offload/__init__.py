@@ -1,0 +1,1 @@
+"""Activation placement: which tagged tensors stay on device, go to host, or are recomputed."""

@@ -1,0 +1,52 @@
+"""The tag vocabulary, placement tables and the `jax.checkpoint` policies they become.
+
+A placement table maps a tag (a `checkpoint_name` in the model) to where its value waits
+between the forward and the backward pass:
+  device   kept in device memory;
+  offload  copied to pinned host memory in the forward pass, streamed back for the backward;
+  remat    not kept: recomputed in the backward pass from the layer's saved inputs.
+A tag missing from a table is `remat`.
+"""
+
+from collections.abc import Mapping
+
+import jax
+
+# The only list of tag names; tests check it against the traced model.
+LLAMA_TAGS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out",
+              "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+PLACEMENTS = ("device", "offload", "remat")
+
+# Named tables. "none" is not a table: it turns checkpointing off (autodiff keeps everything).
+PRESETS: dict[str, dict[str, str]] = {
+    "remat": {},
+    "minimal": {t: "device" for t in ("query_proj", "key_proj", "value_proj", "out_proj",
+                                      "mlpwi_0", "mlpwi_1", "mlpwo")},
+    "qkv_offload": {t: "offload" for t in ("query_proj", "key_proj", "value_proj")},
+    "minimal_offloaded": {t: "offload" for t in ("query_proj", "key_proj", "value_proj",
+                                                 "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")},
+}
+NO_CHECKPOINT = "none"
+
+
+def placement_table(preset: str, changes: Mapping[str, str] = (), tags=LLAMA_TAGS) -> dict:
+    """The preset's table with `changes` applied, checked against the model's tags."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown policy {preset!r}; choose one of "
+                         f"{', '.join([*PRESETS, NO_CHECKPOINT])}")
+    table = {**PRESETS[preset], **dict(changes)}
+    for tag, place in table.items():
+        if tag not in tags:
+            raise ValueError(f"policy.{tag}: the model has no tag {tag!r}; tags: {', '.join(tags)}")
+        if place not in PLACEMENTS:
+            raise ValueError(f"policy.{tag}={place!r}: placement must be one of "
+                             f"{', '.join(PLACEMENTS)}")
+    return table
+
+
+def checkpoint_policy(table: Mapping[str, str]):
+    """The `jax.checkpoint` policy that realises a placement table."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[t for t, p in table.items() if p == "device"],
+        names_which_can_be_offloaded=[t for t, p in table.items() if p == "offload"],
+        offload_src="device", offload_dst="pinned_host")

@@ -1,0 +1,168 @@
+"""What a run prints and writes: header, a line per step, summary; metrics.jsonl per run."""
+
+import dataclasses
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from model import common, llama
+from offload import policies
+
+GiB = 2**30
+
+
+def _fmt_bytes(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def _model_line(cfg) -> str:
+    count = common.param_count(llama.param_specs(cfg))
+    return (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
+            f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}: {count:,} parameters")
+
+
+def _policy_line(table: dict | None) -> str:
+    if table is None:
+        return "none: no checkpointing, autodiff keeps every residual on device"
+    return " ".join(f"{tag}={table.get(tag, 'remat')}" for tag in policies.LLAMA_TAGS)
+
+
+def _new_run_dir(root: str, name: str) -> Path:
+    """A fresh folder per run, never an existing one: earlier results are not overwritten."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = Path(root) / (f"{name}-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run folder under {root}")
+
+
+class RunLog:
+    """Prints on process 0 only; times each step from the previous step's completion."""
+
+    def __init__(self, setup, mesh, batch_size: int, flops: float, compile_s: float, compiled):
+        self.setup, self.run, self.flops, self.compiled = setup, setup.run, flops, compiled
+        self.tokens = batch_size * setup.run.seq
+        self.devices = jax.device_count()
+        self.main = jax.process_index() == 0
+        self.times: list[float] = []
+        profile_last = min(4, setup.run.steps)
+        self.profile_steps = (min(2, profile_last), profile_last) if setup.run.profile else None
+        self.dir = _new_run_dir(setup.run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        if self.main:
+            (self.dir / "config.json").write_text(json.dumps({
+                "experiment": setup.experiment.name, "scale": setup.scale,
+                "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
+                "policy": setup.table}, indent=2, default=str))
+            self.metrics = open(self.dir / "metrics.jsonl", "a")
+        self._print_header(mesh, batch_size, compile_s)
+        self.last = time.perf_counter()
+
+    def _say(self, text: str = "") -> None:
+        if self.main:
+            print(text, flush=True)
+
+    def _print_header(self, mesh, batch_size: int, compile_s: float) -> None:
+        s, run, full = self.setup, self.run, self.setup.experiment
+        backend = jax.default_backend()
+        scale = ("PROXY -- a small model of the same family, not the study's numbers"
+                 if s.scale == "proxy" else "FULL -- the study's model and run settings")
+        compute = run.compute_dtype
+        if s.scale == "proxy" and compute != full.run.compute_dtype:
+            compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
+        flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
+        applied = "applied" if backend == "gpu" else f"NOT applied: {backend} backend, GPU only"
+        data = run.data.path or f"synthetic uniform tokens, seed {run.seed}"
+        rows = [
+            ("experiment", f"{full.name}: {full.summary}"),
+            ("scale", f"{scale}\n{'':12}({s.scale_reason})"),
+            ("model", _model_line(s.model) + (f" from {run.init_from}" if run.init_from else "")),
+            ("full scale", _model_line(full.model)),
+            ("devices", f"{self.devices} x {backend}, mesh {dict(mesh.shape)}"),
+            ("batch", f"{batch_size} sequences x {run.seq} tokens "
+                      f"({batch_size / self.devices:g} per device)"),
+            ("dtypes", f"params {run.param_dtype}, compute {compute}; "
+                       "softmax, norms and loss float32"),
+            ("policy", f"{run.policy}: {_policy_line(s.table)}" + (
+                "\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
+                "CPU lowering drops placement annotations)"
+                if backend != "gpu" and "offload" in (s.table or {}).values() else "")),
+            ("xla flags", f"{flags} [{applied}]"),
+            ("data", data),
+            ("compile", f"{compile_s:.1f} s; model {self.flops / 1e12:,.2f} TFLOP per device "
+                        "per step (MaxText's formula)"),
+            ("output", str(self.dir)),
+        ]
+        self._say("=" * 100)
+        for key, value in rows:
+            self._say(f"{key:<11} {value}")
+        self._say("=" * 100)
+
+    def maybe_start_profile(self, step: int) -> None:
+        if self.profile_steps and step == self.profile_steps[0]:
+            jax.profiler.start_trace(str(self.dir / "profile"))
+
+    def step_done(self, step: int, metrics) -> bool:
+        """Read a finished step's metrics (this waits for it); False if the loss is not finite."""
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        self.times.append(seconds)
+        if self.profile_steps and step == self.profile_steps[1]:
+            jax.profiler.stop_trace()
+            self._say(f"profile: {self.dir / 'profile'} (open in Perfetto or TensorBoard)")
+        if not math.isfinite(loss):
+            print(f"error: loss is {loss} at step {step}/{self.run.steps}; stopping",
+                  file=sys.stderr)
+            return False
+        tflops = self.flops / seconds / 1e12
+        eta = statistics.median(self.times) * (self.run.steps - step)
+        self._say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {loss:.4f}  "
+                  f"{seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
+                  f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s")
+        self._write({"step": step, "loss": loss, "grad_norm": grad_norm, "step_s": seconds,
+                     "tokens_per_s": self.tokens / seconds, "tflops_per_device": tflops})
+        return True
+
+    def _write(self, record: dict) -> None:
+        if self.main:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def summary(self) -> dict:
+        timed = self.times[1:] or self.times  # step 1 carries one-off warm-up work
+        median = statistics.median(timed)
+        stats = jax.local_devices()[0].memory_stats() or {}
+        analysis = self.compiled.memory_analysis()
+        result = {
+            "median_step_s": median, "tflops_per_device": self.flops / median / 1e12,
+            "tokens_per_s": self.tokens / median,
+            "peak_device_bytes": stats.get("peak_bytes_in_use"),
+            "compiled_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
+            "compiled_host_temp_bytes": getattr(analysis, "host_temp_size_in_bytes", None),
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        peak = (_fmt_bytes(result["peak_device_bytes"]) if stats
+                else f"not reported by the {jax.default_backend()} backend")
+        self._say("-" * 100)
+        self._say(f"median step {median * 1e3:.1f} ms over steps 2..{self.run.steps}"
+                  if len(self.times) > 1 else f"step time {median * 1e3:.1f} ms (one step)")
+        self._say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device, "
+                  f"{result['tokens_per_s']:,.0f} tokens/s")
+        self._say(f"memory      peak device {peak}; compiled temporaries "
+                  f"{_fmt_bytes(result['compiled_temp_bytes'])} (host "
+                  f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
+                  f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}")
+        if self.main:
+            (self.dir / "summary.json").write_text(json.dumps(result, indent=2))
+            self.metrics.close()
+        return result
