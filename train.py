@@ -57,7 +57,7 @@ def train_step(state, batch, *, loss, optimizer):
     value, grads = jax.value_and_grad(loss)(state["params"], batch)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 

@@ -1,0 +1,87 @@
+"""Proxy training-step time and model-FLOP rate, as a fraction of a same-run matmul ceiling.
+
+    python benchmarks/bench.py [experiment] [steps=N]
+
+Figures are ratios within one run on whatever machine runs this (noisy if shared): the
+model FLOP rate (MaxText's count, no recompute) over the rate of a large f32 matmul.
+"""
+
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import configs  # noqa: E402
+import train  # noqa: E402
+from data import SyntheticTokens  # noqa: E402
+from model import common, llama  # noqa: E402
+from offload import policies  # noqa: E402
+
+POLICIES = ("none", "remat", "qkv_offload")
+
+
+def timed(fn, *args, repeats: int) -> float:
+    """Median seconds per call after one warm-up call; fn returns what it needs next."""
+    out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_ceiling(n: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n f32 matmul: what this machine's XLA does at its best."""
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32) for i in range(2))
+    return 2 * n**3 / timed(jax.jit(jnp.matmul), a, b, repeats=repeats)
+
+
+def step_time(model, run, policy_name: str, repeats: int) -> float:
+    table = None if policy_name == policies.NO_CHECKPOINT else policies.PRESETS[policy_name]
+    policy = None if table is None else policies.checkpoint_policy(table)
+    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    params = common.init_params(llama.param_specs(model), common.AxisRules(), mesh,
+                                jax.random.key(0))
+    optimizer = train.make_optimizer(run.optimizer, run.steps)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
+    loss = partial(train.loss_fn, model=model, policy=policy, rules=None,
+                   dtype=jnp.dtype(run.compute_dtype))
+    step = jax.jit(partial(train.train_step, loss=loss, optimizer=optimizer), donate_argnums=0)
+    batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
+    holder = [state]
+
+    def one_step():
+        holder[0], metrics = step(holder[0], batch)
+        return metrics["loss"]
+
+    return timed(one_step, repeats=repeats)
+
+
+def main(argv: list[str]) -> None:
+    name = argv[0] if argv and "=" not in argv[0] else "llama405b-offload"
+    overrides = configs.parse_overrides([a for a in argv if "=" in a])
+    repeats = int(overrides.pop("steps", "5"))
+    model, run = configs.apply_overrides(*configs.get(name).at_scale("proxy"), overrides)
+    print(f"{name} proxy: L={model.n_layers} D={model.d_model} F={model.d_ff} V={model.vocab}, "
+          f"batch {run.per_device_batch} x {run.seq}, compute {run.compute_dtype}, "
+          f"1 {jax.default_backend()} device; median of {repeats} steps")
+    ceiling = matmul_ceiling()
+    print(f"ceiling: 2048^3 f32 matmul {ceiling / 1e9:.1f} GFLOP/s")
+    flops = llama.training_flops(model, run.per_device_batch, run.seq)
+    print(f"{'policy':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
+    times = {p: step_time(model, run, p, repeats) for p in POLICIES}
+    for p, seconds in times.items():
+        rate = flops / seconds
+        print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
+              f"{seconds / times['remat']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,160 @@
+"""The training loop and the command line: learning, bad input, outputs."""
+
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+import train
+from configs import OptimizerConfig
+from data import SyntheticTokens, TokenFile
+from model import common, llama
+from offload import policies
+
+# A small proxy run of the real experiment: 2 layers, 32 tokens, 8 devices x batch 2.
+SMALL = ["steps=3", "seq=32", "model.n_layers=2", "model.vocab=512"]
+
+
+def run_cli(args, tmp_path, capsys):
+    code = train.main([*args, f"out_dir={tmp_path}"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_loss_falls_on_a_repeated_batch():
+    cfg = configs.get("llama405b-offload").proxy_model
+    cfg = cfg.__class__(**{**cfg.__dict__, "n_layers": 2, "vocab": 256})
+    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    params = common.init_params(llama.param_specs(cfg), common.AxisRules(), mesh,
+                                jax.random.key(0))
+    optimizer = train.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0), steps=30)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
+    loss = partial(train.loss_fn, model=cfg, rules=None, dtype=jnp.float32,
+                   policy=policies.checkpoint_policy(policies.PRESETS["qkv_offload"]))
+    step = jax.jit(partial(train.train_step, loss=loss, optimizer=optimizer))
+    batch = SyntheticTokens(cfg.vocab, seed=0).batch(0, 4, 32)
+    losses = []
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses  # memorising 4 x 32 tokens
+
+
+def test_experiment_runs_end_to_end_and_writes_its_metrics(tmp_path, capsys):
+    code, out, err = run_cli(["llama405b-offload", *SMALL], tmp_path, capsys)
+    assert code == 0, err
+    assert "PROXY" in out and "405,853,388,800 parameters" in out
+    assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
+    assert "step 3/3" in out and "median step" in out
+    (run_dir,) = tmp_path.iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) and r["tflops_per_device"] > 0 for r in records)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["median_step_s"] > 0
+
+
+def test_a_token_file_trains_and_its_windows_are_deterministic(tmp_path, capsys):
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 512, 5000, dtype=np.uint16).tofile(path)
+    a, b = (TokenFile(str(path), "uint16", 512, seed=7).batch(3, 4, 32) for _ in range(2))
+    np.testing.assert_array_equal(a, b)
+    tokens = np.fromfile(path, np.uint16)
+    assert any(np.array_equal(a[0], tokens[s:s + 33]) for s in range(len(tokens) - 32))
+    code, out, err = run_cli(["llama405b-baseline", *SMALL, f"data.path={path}"], tmp_path,
+                             capsys)
+    assert code == 0, err
+
+
+def test_a_diverging_run_stops_and_names_the_step(tmp_path, capsys):
+    code, _, err = run_cli(["llama405b-baseline", *SMALL, "steps=6", "optimizer.lr=1e36",
+                            "optimizer.warmup_steps=0", "optimizer.clip_norm=1e30"],
+                           tmp_path, capsys)
+    assert code == 1
+    assert "at step" in err and "stopping" in err
+
+
+def test_profile_writes_a_trace(tmp_path, capsys):
+    code, out, err = run_cli(["llama405b-offload", *SMALL, "profile=true"], tmp_path, capsys)
+    assert code == 0, err
+    assert list(tmp_path.glob("*/profile/**/*.xplane.pb"))
+
+
+def _corrupt_checkpoint(tmp_path: Path) -> str:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    config = Path("tests/fixtures/llama_gqa/config.json").read_text()
+    (directory / "config.json").write_text(config)
+    (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    return str(directory)
+
+
+BAD_INPUT = {
+    "unknown experiment": ["llama9b"],
+    "unknown key": ["llama405b-offload", "stepz=3"],
+    "unknown nested key": ["llama405b-offload", "optimizer.beta=3"],
+    "wrong type": ["llama405b-offload", "steps=ten"],
+    "not key=value": ["llama405b-offload", "steps"],
+    "heads not divisible": ["llama405b-offload", "model.n_kv_heads=3"],
+    "sequence past RoPE table": ["llama405b-offload", "seq=200000"],
+    "batch not divisible": ["llama405b-offload", "global_batch=12"],
+    "mesh does not cover devices": ["llama405b-offload", "mesh.fsdp=3"],
+    "unknown tag": ["llama405b-offload", "policy.qkv_proj=offload"],
+    "bad placement": ["llama405b-offload", "policy.query_proj=disk"],
+    "unknown preset": ["llama405b-offload", "policy=everything"],
+    "full scale on a CPU": ["llama405b-offload", "scale=full"],
+    "bad dtype": ["llama405b-offload", "compute_dtype=int8"],
+    "missing token file": ["llama405b-offload", "data.path=/nonexistent/tokens.bin"],
+    "missing checkpoint": ["llama405b-offload", "init_from=/nonexistent/ckpt"],
+}
+
+
+@pytest.mark.parametrize("args", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_is_one_line_and_status_2(args, tmp_path, capsys):
+    code, out, err = run_cli(args, tmp_path, capsys)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # stopped before any run folder was made
+
+
+def test_bad_files_are_one_line_and_status_2(tmp_path, capsys):
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")  # 1.5 uint16 tokens
+    too_big = tmp_path / "big.bin"
+    np.array([1, 2, 60000], np.uint16).tofile(too_big)
+    for args in (["data.path=" + str(odd)], ["data.path=" + str(too_big)],
+                 ["init_from=" + _corrupt_checkpoint(tmp_path)]):
+        code, _, err = run_cli(["llama405b-offload", *SMALL, *args], tmp_path / "out", capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_exit_status_from_a_real_process(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "llama405b-offload", "model.n_kv_heads=3",
+                             f"out_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: model.n_heads=16 is not divisible by model.n_kv_heads=3"]
+
+
+def test_list_names_every_experiment(capsys):
+    assert train.main(["--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(configs.EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", list(configs.EXPERIMENTS))
+@pytest.mark.parametrize("scale", ["proxy", "full"])
+def test_every_experiment_is_sound_at_both_scales(name, scale):
+    experiment = configs.get(name)
+    model, run = experiment.at_scale(scale)
+    devices = run.mesh.data * run.mesh.fsdp if scale == "full" else 8
+    assert configs.problems(model, run, devices) == []
+    if run.policy != policies.NO_CHECKPOINT:
+        policies.placement_table(run.policy, run.placements)
