@@ -11,16 +11,13 @@ import dataclasses
 import os
 import sys
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 import configs
 import report
+import training
 from configs import ConfigError
 from data import DataError, token_source
 from model import common, llama
@@ -39,37 +36,6 @@ class Setup:
     table: dict | None  # placement table; None when checkpointing is off
     data: object
     hf_params: dict | None
-
-
-def cross_entropy(logits, targets):
-    """Mean next-token cross-entropy in fp32; logits [B, T, V], targets [B, T]."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logprobs, targets[..., None], axis=-1))
-
-
-def loss_fn(params, batch, *, model, policy, rules, dtype):
-    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1."""
-    logits = llama.forward(params, batch[:, :-1], model, policy=policy, rules=rules, dtype=dtype)
-    return cross_entropy(logits, batch[:, 1:])
-
-
-def train_step(state, batch, *, loss, optimizer):
-    value, grads = jax.value_and_grad(loss)(state["params"], batch)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-
-def make_optimizer(cfg: configs.OptimizerConfig, steps: int):
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup_steps, max(steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
-    # No weight decay on norm weights, the usual choice for RMSNorm gains.
-    decay = partial(jax.tree_util.tree_map_with_path,
-                    lambda path, _: not str(path[-1].key).endswith("norm"))
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay,
-                                   mask=decay))
 
 
 def maybe_initialize_distributed() -> None:
@@ -124,39 +90,23 @@ def resolve(name: str, args: list[str]) -> Setup:
     return Setup(experiment, scale, why, model, run, table, data, hf_params)
 
 
-def init_state(setup: Setup, mesh, rules, optimizer):
+def init_state(setup: Setup, rules: common.AxisRules, optimizer):
     """Parameters and optimizer state, created sharded (FSDP) on the mesh."""
+    shardings = jax.tree.map(lambda a: a.sharding,
+                             training.abstract_state(setup.model, setup.run, rules, optimizer))
     specs = llama.param_specs(setup.model)
     dtype = jnp.dtype(setup.run.param_dtype)
-    shardings = common.param_shardings(specs, rules, mesh)
     if setup.hf_params is None:
-        params = common.init_params(specs, rules, mesh, jax.random.key(setup.run.seed), dtype)
+        params = common.init_params(specs, rules, jax.random.key(setup.run.seed), dtype)
     else:
         params = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), setup.hf_params),
-                                shardings)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), shardings,
-        transform_non_params=lambda _: replicated)
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+                                shardings["params"])
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
 
 
-def gpu_compiler_options(flags: dict[str, str]) -> dict:
-    """XLA flags as per-compile options, typed; applied only on a GPU backend."""
-    def typed(v: str):
-        return {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
-    return {k: typed(v) for k, v in flags.items()}
-
-
-def compile_step(setup: Setup, mesh, rules, optimizer, state, batch):
-    policy = None if setup.table is None else policies.checkpoint_policy(setup.table)
-    loss = partial(loss_fn, model=setup.model, policy=policy, rules=rules,
-                   dtype=jnp.dtype(setup.run.compute_dtype))
-    on_gpu = jax.default_backend() == "gpu"
-    options = gpu_compiler_options(setup.run.xla_flags) if on_gpu else None
-    step = jax.jit(partial(train_step, loss=loss, optimizer=optimizer), donate_argnums=0,
-                   compiler_options=options)
+def compile_step(step, state, batch):
     try:
         return step.lower(state, batch).compile()
     except jax.errors.JaxRuntimeError as e:
@@ -174,16 +124,16 @@ def train(setup: Setup) -> int:
     run, n_devices = setup.run, jax.device_count()
     data_axis, fsdp_axis = run.mesh.shape(n_devices)
     mesh = common.make_mesh((data_axis, fsdp_axis), ("data", "fsdp"))
-    rules = common.AxisRules()
+    rules = common.AxisRules(mesh=mesh)
     batch_size = run.batch(n_devices)
-    batch_sharding = NamedSharding(mesh, rules.spec(("batch", None)))
-    optimizer = make_optimizer(run.optimizer, run.steps)
-    with jax.set_mesh(mesh):
-        state = init_state(setup, mesh, rules, optimizer)
-        batch = global_batch(setup, 0, batch_sharding, batch_size)
-        started = time.perf_counter()
-        step = compile_step(setup, mesh, rules, optimizer, state, batch)
-        compile_s = time.perf_counter() - started
+    batch_sharding = rules.sharding(("batch", None))
+    optimizer = training.make_optimizer(run.optimizer, run.steps)
+    state = init_state(setup, rules, optimizer)
+    batch = global_batch(setup, 0, batch_sharding, batch_size)
+    started = time.perf_counter()
+    step = training.make_step(setup.model, run, setup.table, rules, optimizer)
+    step = compile_step(step, state, batch)
+    compile_s = time.perf_counter() - started
     flops = llama.training_flops(setup.model, batch_size / n_devices, run.seq)
     log = report.RunLog(setup, mesh, batch_size, flops, compile_s, step)
     pending = None  # (step, metrics) dispatched, not yet read: read it after the next dispatch

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import configs  # noqa: E402
-import train  # noqa: E402
+import training  # noqa: E402
 from data import SyntheticTokens  # noqa: E402
 from model import common, llama  # noqa: E402
 from offload import policies  # noqa: E402
@@ -27,12 +27,12 @@ POLICIES = ("none", "remat", "qkv_offload")
 
 
 def timed(fn, *args, repeats: int) -> float:
-    """Median seconds per call after one warm-up call; fn returns what it needs next."""
-    out = jax.block_until_ready(fn(*args))
+    """Median seconds per call, after one warm-up call."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -47,13 +47,13 @@ def step_time(model, run, policy_name: str, repeats: int) -> float:
     table = None if policy_name == policies.NO_CHECKPOINT else policies.PRESETS[policy_name]
     policy = None if table is None else policies.checkpoint_policy(table)
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(llama.param_specs(model), common.AxisRules(), mesh,
+    params = common.init_params(llama.param_specs(model), common.AxisRules(mesh=mesh),
                                 jax.random.key(0))
-    optimizer = train.make_optimizer(run.optimizer, run.steps)
+    optimizer = training.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(train.loss_fn, model=model, policy=policy, rules=None,
+    loss = partial(training.loss_fn, model=model, policy=policy, rules=None,
                    dtype=jnp.dtype(run.compute_dtype))
-    step = jax.jit(partial(train.train_step, loss=loss, optimizer=optimizer), donate_argnums=0)
+    step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer), donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
     holder = [state]
 

@@ -7,7 +7,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from model.config import Llama3RopeScaling
 
@@ -31,6 +31,10 @@ class AxisRules:
     head_dim: MeshAxes = None
     mlp: MeshAxes = None
     layers: MeshAxes = None
+    mesh: Mesh | AbstractMesh | None = None  # abstract when exporting without devices
+
+    def sharding(self, logical: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical))
 
     def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
         mapped = [getattr(self, name) if name else None for name in logical]
@@ -46,8 +50,8 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None):
 
 
 def constrain(x: jax.Array, rules: AxisRules | None, logical: tuple[str | None, ...]):
-    """Sharding hint for an activation (needs an ambient mesh); no-op without rules."""
-    return x if rules is None else jax.lax.with_sharding_constraint(x, rules.spec(logical))
+    """Sharding hint for an activation; no-op without rules."""
+    return x if rules is None else jax.lax.with_sharding_constraint(x, rules.sharding(logical))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +79,14 @@ def abstract_params(specs, dtype=jnp.float32):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=_is_spec)
 
 
-def param_shardings(specs, rules: AxisRules, mesh):
-    return jax.tree.map(lambda s: NamedSharding(mesh, rules.spec(s.axes)), specs, is_leaf=_is_spec)
+def param_shardings(specs, rules: AxisRules):
+    return jax.tree.map(lambda s: rules.sharding(s.axes), specs, is_leaf=_is_spec)
 
 
-def init_params(specs, rules: AxisRules, mesh, key: jax.Array, dtype=jnp.float32):
+def init_params(specs, rules: AxisRules, key: jax.Array, dtype=jnp.float32):
     """Random parameters, each created already sharded: no full tensor on one device."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    shardings = jax.tree.leaves(param_shardings(specs, rules, mesh))
+    shardings = jax.tree.leaves(param_shardings(specs, rules))
 
     @partial(jax.jit, out_shardings=shardings)
     def make(key):

@@ -121,7 +121,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig) -> dict:
     head = get("lm_head.weight") if "lm_head.weight" in tensors else embed  # tied embeddings
     params = {
         "embed": embed,
-        "layers": {k: np.stack([l[k] for l in layers]) for k in layers[0]},
+        "layers": {k: np.stack([layer[k] for layer in layers]) for k in layers[0]},
         "final_norm": get("model.norm.weight"),
         "lm_head": head.T,
     }

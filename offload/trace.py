@@ -1,10 +1,32 @@
-"""Read the tagged intermediates of a function from its jaxpr (no compilation, no allocation)."""
+"""Read what a function tags, saves and offloads, from its jaxpr (nothing compiled or allocated).
+
+Functions here take a function and (possibly abstract) arguments, never a model.
+"""
+
+import dataclasses
+from collections.abc import Iterator
 
 import jax
+import numpy as np
+# saved_residuals is what the public jax.ad_checkpoint.print_saved_residuals prints from.
+from jax._src import ad_checkpoint
 from jax.extend import core as jex_core
 
 
-def _sub_jaxprs(eqn):
+@dataclasses.dataclass(frozen=True)
+class Tagged:
+    """One `checkpoint_name` site: its value's shape and dtype, and how often it runs."""
+    tag: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    count: int  # the product of the enclosing scans' lengths: the layer count in a layer scan
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def _sub_jaxprs(eqn) -> Iterator[jex_core.Jaxpr]:
     for param in eqn.params.values():
         for value in param if isinstance(param, (list, tuple)) else (param,):
             if isinstance(value, jex_core.ClosedJaxpr):
@@ -13,21 +35,66 @@ def _sub_jaxprs(eqn):
                 yield value
 
 
-def tagged_values(fn, *args) -> dict[str, list[jax.ShapeDtypeStruct]]:
-    """tag -> the abstract value of every `checkpoint_name` site with that tag, in trace order.
+def _walk(jaxpr, count=1) -> Iterator[tuple[jex_core.JaxprEqn, int, dict]]:
+    """Every equation with its run count and the producers of its jaxpr's variables."""
+    producers = {}
+    for eqn in jaxpr.eqns:
+        yield eqn, count, producers
+        producers.update({v: eqn for v in eqn.outvars})
+        inner = count * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else count
+        for sub in _sub_jaxprs(eqn):
+            yield from _walk(sub, inner)
 
-    Inside a scanned layer the shapes are per layer. `args` may be ShapeDtypeStructs.
-    """
-    found: dict[str, list[jax.ShapeDtypeStruct]] = {}
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
-                aval = eqn.invars[0].aval
-                found.setdefault(eqn.params["name"], []).append(
-                    jax.ShapeDtypeStruct(aval.shape, aval.dtype))
-            for sub in _sub_jaxprs(eqn):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+def tagged_values(fn, *args) -> dict[str, list[Tagged]]:
+    """tag -> every `checkpoint_name` site with that tag, in trace order."""
+    found: dict[str, list[Tagged]] = {}
+    for eqn, count, _ in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "name":
+            aval, tag = eqn.invars[0].aval, eqn.params["name"]
+            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count))
     return found
+
+
+def offloaded_tags(fn, *args) -> dict[str, list[Tagged]]:
+    """tag -> the values moved to host memory straight from that tag, in the traced program.
+
+    A checkpoint policy that offloads a name puts a `device_put` to host right after the
+    name's equation; differentiate `fn` (e.g. a train step) to see them.
+    """
+    found: dict[str, list[Tagged]] = {}
+    for eqn, count, producers in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name != "device_put":
+            continue
+        if not any("host" in str(d).lower() for d in eqn.params["devices"]):
+            continue
+        source = producers.get(eqn.invars[0])
+        if source is not None and source.primitive.name == "name":
+            aval, tag = eqn.invars[0].aval, source.params["name"]
+            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """A value autodiff keeps from the forward pass for the backward pass."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    on_host: bool
+    source: str  # JAX's description: "from the argument ...", "output of scan from ...", ...
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def is_argument(self) -> bool:
+        return self.source.startswith("from the argument")
+
+
+def saved_residuals(fn, *args) -> list[Residual]:
+    """What grad(fn) keeps between its forward and backward pass (inside a layer scan, stacked
+    over the layers), and whether it waits in host memory."""
+    return [Residual(aval.shape, aval.dtype, "host" in str(getattr(aval, "memory_space", "")
+                                                            ).lower(), source)
+            for aval, source in ad_checkpoint.saved_residuals(fn, *args)]

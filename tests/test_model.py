@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import train
+import training
 from configs.llama3 import LLAMA31_8B, LLAMA31_70B, LLAMA31_405B
 from model import common, llama
 from model.config import LlamaConfig
@@ -22,7 +22,7 @@ TINY = LlamaConfig(vocab=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, he
 
 def tiny_params(cfg=TINY, seed=0):
     mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
-    params = common.init_params(llama.param_specs(cfg), common.AxisRules(batch="fsdp"), mesh,
+    params = common.init_params(llama.param_specs(cfg), common.AxisRules(batch="fsdp", mesh=mesh),
                                 jax.random.key(seed))
     # Norm weights away from 1, so a test would notice them being ignored.
     return jax.tree_util.tree_map_with_path(
@@ -41,7 +41,7 @@ def test_logits_and_loss_match_hugging_face(name):
     logits = np.asarray(llama.forward(params, expected["tokens"], cfg, dtype=jnp.float32))
     reference = expected["logits"]
     assert np.abs(logits - reference).max() <= 1e-4 * np.abs(reference).max()
-    loss = train.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
+    loss = training.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
 
 
@@ -67,7 +67,7 @@ EVERY_TABLE = {**policies.PRESETS,
 
 @jax.jit(static_argnums=2)
 def loss_and_grads(params, batch, policy):
-    loss = partial(train.loss_fn, batch=batch, model=TINY, policy=policy, rules=None,
+    loss = partial(training.loss_fn, batch=batch, model=TINY, policy=policy, rules=None,
                    dtype=jnp.float32)
     return jax.value_and_grad(loss)(params)
 

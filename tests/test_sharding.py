@@ -5,9 +5,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
-import train
+import training
 from configs import OptimizerConfig
 from model import common, llama
 from model.config import LlamaConfig
@@ -19,12 +18,12 @@ CFG = LlamaConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, hea
 
 
 def step(params, batch, rules):
-    optimizer = train.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
+    optimizer = training.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = policies.checkpoint_policy(policies.PRESETS["qkv_offload"])
-    loss = partial(train.loss_fn, model=CFG, policy=policy, rules=rules, dtype=jnp.float32)
+    loss = partial(training.loss_fn, model=CFG, policy=policy, rules=rules, dtype=jnp.float32)
     grads = jax.grad(loss)(params, batch)
-    _, metrics = train.train_step(state, batch, loss=loss, optimizer=optimizer)
+    _, metrics = training.train_step(state, batch, loss=loss, optimizer=optimizer)
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
     # near zero turns a rounding-level difference into one of order lr.
     return grads, metrics
@@ -32,17 +31,16 @@ def step(params, batch, rules):
 
 def test_fsdp_over_8_devices_equals_one_device():
     specs = llama.param_specs(CFG)
-    rules = common.AxisRules()
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     eight = common.make_mesh((1, 8), ("data", "fsdp"))
-    params = common.init_params(specs, rules, one, jax.random.key(0))
+    rules = common.AxisRules(mesh=eight)
+    params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
     batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, CFG.vocab))
 
     reference = jax.jit(partial(step, rules=None))(params, batch)
-    sharded_params = jax.device_put(params, common.param_shardings(specs, rules, eight))
+    sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
     assert sharded_params["layers"]["wq"].sharding.spec[1] == "fsdp"  # really sharded
-    with jax.set_mesh(eight):
-        sharded_batch = jax.device_put(batch, NamedSharding(eight, rules.spec(("batch", None))))
-        sharded = jax.jit(partial(step, rules=rules))(sharded_params, sharded_batch)
+    sharded_batch = jax.device_put(batch, rules.sharding(("batch", None)))
+    sharded = jax.jit(partial(step, rules=rules))(sharded_params, sharded_batch)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
                  sharded, reference)

@@ -13,6 +13,7 @@ import pytest
 
 import configs
 import train
+import training
 from configs import OptimizerConfig
 from data import SyntheticTokens, TokenFile
 from model import common, llama
@@ -32,13 +33,13 @@ def test_loss_falls_on_a_repeated_batch():
     cfg = configs.get("llama405b-offload").proxy_model
     cfg = cfg.__class__(**{**cfg.__dict__, "n_layers": 2, "vocab": 256})
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(llama.param_specs(cfg), common.AxisRules(), mesh,
+    params = common.init_params(llama.param_specs(cfg), common.AxisRules(mesh=mesh),
                                 jax.random.key(0))
-    optimizer = train.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0), steps=30)
+    optimizer = training.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0), steps=30)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(train.loss_fn, model=cfg, rules=None, dtype=jnp.float32,
+    loss = partial(training.loss_fn, model=cfg, rules=None, dtype=jnp.float32,
                    policy=policies.checkpoint_policy(policies.PRESETS["qkv_offload"]))
-    step = jax.jit(partial(train.train_step, loss=loss, optimizer=optimizer))
+    step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer))
     batch = SyntheticTokens(cfg.vocab, seed=0).batch(0, 4, 32)
     losses = []
     for _ in range(30):

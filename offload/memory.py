@@ -1,0 +1,78 @@
+"""Per-device memory of a training step, read from abstract values (nothing allocated).
+
+Sizes come from the traced program: the sharded abstract train state, the tagged values and
+what autodiff saves. The peak is an estimate: it misses NCCL scratch, cuDNN workspaces, XLA's
+temporaries and fragmentation, which only a real run shows.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from offload.trace import Residual, Tagged
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class TagLine:
+    """One tag of the per-device, per-layer program, with its placement."""
+    value: Tagged
+    placement: str  # what the table asks: device, offload or remat
+    needed: bool  # does the backward pass use it at all (else no placement changes anything)
+    offloaded: bool | None  # what the exported GPU program does; None when not exported
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    params: int
+    grads: int
+    optimizer: int
+    tags: list[TagLine]
+    residuals: list[Residual]  # per device; arguments (the parameters) excluded
+    layers: int
+    layer_weights: int  # one layer's weights, whole (as all-gathered), in the compute dtype
+    layer_grads: int  # one layer's weight gradients, whole, before the reduce-scatter
+    capacity: int
+
+    @property
+    def device_activations(self) -> int:
+        return sum(r.nbytes for r in self.residuals if not r.on_host)
+
+    @property
+    def host_activations(self) -> int:
+        return sum(r.nbytes for r in self.residuals if r.on_host)
+
+    @property
+    def layer_working_set(self) -> int:
+        """One layer's backward: every tagged value live at once (recomputed or fetched), the
+        layer's gathered weights twice (in use and prefetched), and its unreduced gradients."""
+        return (sum(t.value.nbytes for t in self.tags) + 2 * self.layer_weights
+                + self.layer_grads)
+
+    @property
+    def peak_estimate(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.device_activations
+                + self.layer_working_set)
+
+
+def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
+                         fsdp: int) -> list[Residual]:
+    """Residuals of a per-device trace (batch already per device): the parameters themselves
+    are dropped (counted as state), and casts of whole parameters are FSDP-sharded."""
+    kept = []
+    for r in residuals:
+        if r.is_argument:
+            continue
+        if r.shape in param_shapes and r.shape[0] % fsdp == 0:
+            r = dataclasses.replace(r, shape=(r.shape[0] // fsdp, *r.shape[1:]))
+        kept.append(r)
+    return kept
