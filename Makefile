@@ -8,6 +8,8 @@ READY := $(VENV)/.ready
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
+	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
+	@echo "make llama405b-compare                       the study's four Llama rows, one table"
 	@echo "make test     the test suite (8 fake CPU devices)"
 	@echo "make bench    proxy step time and model-FLOP rate vs a same-run matmul ceiling"
 	@echo "make install  create $(VENV) with the pinned dependencies"
@@ -31,6 +33,9 @@ bench: $(READY)
 
 llama%: $(READY)
 	$(PY) train.py $@ $(ARGS)
+
+plan-%: $(READY)
+	$(PY) train.py $* --plan $(ARGS)
 
 clean:
 	rm -rf runs

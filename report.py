@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+import plan
 from model import common, llama
 from offload import policies
 
@@ -49,8 +50,11 @@ def _new_run_dir(root: str, name: str) -> Path:
 class RunLog:
     """Prints on process 0 only; times each step from the previous step's completion."""
 
-    def __init__(self, setup, mesh, batch_size: int, flops: float, compile_s: float, compiled):
+    def __init__(self, setup, mesh, batch_size: int, flops: float, compile_s: float, compiled,
+                 placements: dict[str, list]):
         self.setup, self.run, self.flops, self.compiled = setup, setup.run, flops, compiled
+        offloaded = [line.value for line in placements["this run"] if line.offloaded]
+        self.host_planned = sum(v.nbytes * v.count for v in offloaded)
         self.tokens = batch_size * setup.run.seq
         self.devices = jax.device_count()
         self.main = jax.process_index() == 0
@@ -65,6 +69,11 @@ class RunLog:
                 "policy": setup.table}, indent=2, default=str))
             self.metrics = open(self.dir / "metrics.jsonl", "a")
         self._print_header(mesh, batch_size, compile_s)
+        for scale, lines in placements.items():
+            self._say(f"placement, {scale} (per device; proved on the program exported for a GPU):")
+            for line in plan.placement_lines(lines):
+                self._say("  " + line)
+        self._say("=" * 100)
         self.last = time.perf_counter()
 
     def _say(self, text: str = "") -> None:
@@ -150,6 +159,7 @@ class RunLog:
             "compiled_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
             "compiled_host_temp_bytes": getattr(analysis, "host_temp_size_in_bytes", None),
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "host_offload_bytes_planned": self.host_planned,
         }
         peak = (_fmt_bytes(result["peak_device_bytes"]) if stats
                 else f"not reported by the {jax.default_backend()} backend")
@@ -161,8 +171,37 @@ class RunLog:
         self._say(f"memory      peak device {peak}; compiled temporaries "
                   f"{_fmt_bytes(result['compiled_temp_bytes'])} (host "
                   f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
-                  f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}")
+                  f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded "
+                  f"activations {_fmt_bytes(self.host_planned)} per device (planned)")
         if self.main:
             (self.dir / "summary.json").write_text(json.dumps(result, indent=2))
             self.metrics.close()
         return result
+
+
+def comparison(name: str, rows: list) -> None:
+    """One table for a comparison's runs (shaped like the study's), printed and written as
+    markdown and CSV beside the runs."""
+    header = ["row", "policy", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
+              "peak device GiB", "host offload GiB (planned)"]
+    table = []
+    for setup, summary in rows:
+        flags = setup.run.xla_flags
+        peak = summary["peak_device_bytes"]
+        table.append([setup.experiment.name, setup.run.policy,
+                      flags.get("xla_gpu_enable_latency_hiding_scheduler", "default"),
+                      flags.get("xla_gpu_enable_pipelined_host_offloading", "false"),
+                      f"{summary['median_step_s'] * 1e3:.1f}",
+                      f"{summary['tflops_per_device']:.3f}",
+                      "n/a" if peak is None else f"{peak / GiB:.2f}",
+                      f"{summary['host_offload_bytes_planned'] / GiB:.2f}"])
+    markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    markdown += ["| " + " | ".join(row) + " |" for row in table]
+    scales = {setup.scale for setup, _ in rows}
+    print(f"\n{name} ({', '.join(sorted(scales))} scale, {jax.device_count()} x "
+          f"{jax.default_backend()}):")
+    print("\n".join(markdown))
+    folder = _new_run_dir(rows[0][0].run.out_dir, name)
+    (folder / "compare.md").write_text("\n".join(markdown) + "\n")
+    (folder / "compare.csv").write_text("\n".join(",".join(r) for r in [header, *table]) + "\n")
+    print(f"written to {folder}")

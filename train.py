@@ -1,6 +1,7 @@
 """Train a Llama decoder with a per-tensor activation placement policy.
 
     python train.py EXPERIMENT [key=value ...]     run an experiment (see --list)
+    python train.py EXPERIMENT --plan [key=value ...]   its full-scale memory plan
     python train.py --list                         the experiments, one line each
 
 Resolve (config, scale, policy, data: any mistake is one line and exit status 2) -> mesh ->
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import configs
+import plan
 import report
 import training
 from configs import ConfigError
@@ -78,16 +80,20 @@ def resolve(name: str, args: list[str]) -> Setup:
         model, hf_params = load_llama(run.init_from)
     if found := configs.problems(model, run, jax.device_count()):
         raise ConfigError("; ".join(found))
-    table = None
-    if run.policy != policies.NO_CHECKPOINT:
-        try:
-            table = policies.placement_table(run.policy, run.placements)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    elif run.placements:
-        raise ConfigError("policy.<tag> overrides need a policy preset, not policy=none")
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed)
-    return Setup(experiment, scale, why, model, run, table, data, hf_params)
+    return Setup(experiment, scale, why, model, run, placement_table(run), data, hf_params)
+
+
+def placement_table(run: configs.RunConfig) -> dict | None:
+    """The run's placement table; None when checkpointing is off."""
+    if run.policy == policies.NO_CHECKPOINT:
+        if run.placements:
+            raise ConfigError("policy.<tag> overrides need a policy preset, not policy=none")
+        return None
+    try:
+        return policies.placement_table(run.policy, run.placements)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def init_state(setup: Setup, rules: common.AxisRules, optimizer):
@@ -120,9 +126,21 @@ def global_batch(setup: Setup, step: int, sharding, batch_size: int):
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
-def train(setup: Setup) -> int:
+def placements(setup: Setup, mesh_shape: tuple[int, int]) -> dict[str, list]:
+    """The placement list (proved on the program exported for a GPU) at full scale and at the
+    scale that runs."""
+    full = setup.experiment
+    full_mesh = (full.run.mesh.data, full.run.mesh.fsdp)
+    return {"full scale": plan.Program(full.model, full.run, setup.table, full_mesh).tag_lines(),
+            "this run": plan.Program(setup.model, setup.run, setup.table,
+                                     mesh_shape).tag_lines()}
+
+
+def train(setup: Setup) -> dict | None:
+    """Run the experiment; its summary, or None when the loss stopped being finite."""
     run, n_devices = setup.run, jax.device_count()
     data_axis, fsdp_axis = run.mesh.shape(n_devices)
+    tag_lines = placements(setup, (data_axis, fsdp_axis))
     mesh = common.make_mesh((data_axis, fsdp_axis), ("data", "fsdp"))
     rules = common.AxisRules(mesh=mesh)
     batch_size = run.batch(n_devices)
@@ -135,7 +153,7 @@ def train(setup: Setup) -> int:
     step = compile_step(step, state, batch)
     compile_s = time.perf_counter() - started
     flops = llama.training_flops(setup.model, batch_size / n_devices, run.seq)
-    log = report.RunLog(setup, mesh, batch_size, flops, compile_s, step)
+    log = report.RunLog(setup, mesh, batch_size, flops, compile_s, step, tag_lines)
     pending = None  # (step, metrics) dispatched, not yet read: read it after the next dispatch
     for i in range(1, run.steps + 1):
         log.maybe_start_profile(i)
@@ -143,18 +161,54 @@ def train(setup: Setup) -> int:
         if i < run.steps:
             batch = global_batch(setup, i, batch_sharding, batch_size)
         if pending and not log.step_done(*pending):
-            return 1
+            return None
         pending = (i, metrics)
-    if not log.step_done(*pending):
-        return 1
-    log.summary()
+    return log.summary() if log.step_done(*pending) else None
+
+
+def print_plan(name: str, args: list[str]) -> None:
+    """The experiment's full-scale memory plan and placement list (overrides applied)."""
+    experiment = configs.get(name)
+    model, run = configs.apply_overrides(*experiment.at_scale("full"),
+                                         configs.parse_overrides(args))
+    if run.mesh.fsdp < 1:
+        raise ConfigError("--plan needs the mesh spelled out: set mesh.fsdp")
+    mesh_shape = (run.mesh.data, run.mesh.fsdp)
+    if found := configs.problems(model, run, run.mesh.data * run.mesh.fsdp):
+        raise ConfigError("; ".join(found))
+    table = placement_table(run)
+    started = time.perf_counter()
+    memory = plan.Program(model, run, table, mesh_shape).memory_plan(
+        configs.DEVICE_MEMORY_GB[run.device] * 10**9)
+    pool = float(os.environ.get(plan.HOST_POOL_VARIABLE, plan.HOST_POOL_DEFAULT_GIB))
+    print(f"memory plan: {name} at full scale, per device of the mesh data={mesh_shape[0]} x "
+          f"fsdp={mesh_shape[1]} ({run.device}); {run.batch(mesh_shape[0] * mesh_shape[1])} "
+          f"sequences x {run.seq} tokens; policy {run.policy}")
+    print("\n".join(plan.placement_lines(memory.tags)))
+    print("\n".join(plan.memory_lines(memory, pool)))
+    print(f"(planned in {time.perf_counter() - started:.1f} s from abstract values: nothing "
+          "allocated; offloads read from the step exported for a GPU)")
+
+
+def compare(name: str, args: list[str]) -> int:
+    """Run each experiment of a comparison, then print one table of them."""
+    rows = []
+    for experiment in configs.COMPARISONS[name]:
+        setup = resolve(experiment, args)
+        summary = train(setup)
+        if summary is None:
+            return 1
+        rows.append((setup, summary))
+    report.comparison(name, rows)
     return 0
 
 
 def list_experiments() -> None:
-    width = max(map(len, configs.EXPERIMENTS))
+    width = max(map(len, [*configs.EXPERIMENTS, *configs.COMPARISONS]))
     for name, experiment in configs.EXPERIMENTS.items():
         print(f"{name:<{width}}  {experiment.summary}")
+    for name, members in configs.COMPARISONS.items():
+        print(f"{name:<{width}}  runs {', '.join(members)}; one table")
 
 
 def main(argv: list[str]) -> int:
@@ -164,10 +218,15 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--list":
         list_experiments()
         return 0
+    name, args = argv[0], [a for a in argv[1:] if a != "--plan"]
     try:
+        if "--plan" in argv:
+            print_plan(name, args)
+            return 0
         maybe_initialize_distributed()
-        setup = resolve(argv[0], argv[1:])
-        return train(setup)
+        if name in configs.COMPARISONS:
+            return compare(name, args)
+        return 0 if train(resolve(name, args)) is not None else 1
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from model.config import LlamaConfig
 DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
 QUANTS = ("none",)  # NVFP4 weight quantization lands with its own issue
+DEVICE_MEMORY_GB = {"gb200": 186, "b200": 180, "h200": 141, "h100": 80}  # per GPU, for --plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class RunConfig:
     init_from: str = ""  # a Hugging Face Llama checkpoint directory
     out_dir: str = "runs"
     profile: bool = False
+    device: str = "gb200"  # the GPU the memory plan measures against (DEVICE_MEMORY_GB)
 
     def batch(self, n_devices: int) -> int:
         return self.global_batch or self.per_device_batch * n_devices
@@ -88,6 +90,7 @@ class Experiment:
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
+COMPARISONS: dict[str, tuple[str, ...]] = {}  # name -> experiments run one after another
 
 
 def register(*experiments: Experiment) -> None:
@@ -172,7 +175,7 @@ def problems(model: LlamaConfig, run: RunConfig, n_devices: int) -> list[str]:
     """Every impossible combination for this many devices, one line each."""
     found = list(model.problems())
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": QUANTS}
+               "quant": QUANTS, "device": tuple(DEVICE_MEMORY_GB)}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
     if run.data.dtype not in ("uint16", "uint32"):

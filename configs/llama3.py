@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from configs import Experiment, MeshConfig, RunConfig, register
+from configs import COMPARISONS, Experiment, MeshConfig, RunConfig, register
 from model.config import LlamaConfig
 
 LLAMA31_8B = LlamaConfig(vocab=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -56,3 +56,7 @@ register(
                    STUDY_405B, mesh=MeshConfig(fsdp=64), policy="qkv_offload",
                    xla_flags={LHS: "true"}), PROXY_RUN),
 )
+
+# The study's Llama table, row by row (make llama405b-compare).
+COMPARISONS["llama405b-compare"] = ("llama405b-baseline", "llama405b-offload",
+                                    "llama405b-offload-nolhs", "llama405b-offload-pipelined")

@@ -16,6 +16,9 @@ import jax
 LLAMA_TAGS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out",
               "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 PLACEMENTS = ("device", "offload", "remat")
+# Every checkpointed layer keeps its input (the point its recomputation starts from): on
+# device unless this tag is offloaded. "remat" cannot apply to it.
+LAYER_INPUT = "decoder_layer_input"
 
 # Named tables. "none" is not a table: it turns checkpointing off (autodiff keeps everything).
 PRESETS: dict[str, dict[str, str]] = {

@@ -54,6 +54,7 @@ def test_experiment_runs_end_to_end_and_writes_its_metrics(tmp_path, capsys):
     assert "PROXY" in out and "405,853,388,800 parameters" in out
     assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
     assert "step 3/3" in out and "median step" in out
+    assert "x 126 layers = 70.9 GiB in host memory" in out  # the full-scale placement list
     (run_dir,) = tmp_path.iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -147,7 +148,7 @@ def test_exit_status_from_a_real_process(tmp_path):
 def test_list_names_every_experiment(capsys):
     assert train.main(["--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == list(configs.EXPERIMENTS)
+    assert listed == [*configs.EXPERIMENTS, *configs.COMPARISONS]
 
 
 @pytest.mark.parametrize("name", list(configs.EXPERIMENTS))
@@ -159,3 +160,16 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     assert configs.problems(model, run, devices) == []
     if run.policy != policies.NO_CHECKPOINT:
         policies.placement_table(run.policy, run.placements)
+
+
+def test_compare_runs_the_four_rows_into_one_table(tmp_path, capsys):
+    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2"], tmp_path, capsys)
+    assert code == 0, err
+    (folder,) = tmp_path.glob("llama405b-compare-*")
+    rows = (folder / "compare.csv").read_text().splitlines()
+    assert [r.split(",")[:4] for r in rows[1:]] == [
+        ["llama405b-baseline", "remat", "true", "false"],
+        ["llama405b-offload", "qkv_offload", "true", "false"],
+        ["llama405b-offload-nolhs", "qkv_offload", "false", "false"],
+        ["llama405b-offload-pipelined", "qkv_offload", "true", "true"]]
+    assert (folder / "compare.md").read_text() in out

@@ -1,0 +1,137 @@
+"""Where a step's activations go, and how much memory each device needs, from abstract values.
+
+    python train.py EXPERIMENT --plan [key=value ...]     the full-scale plan (and the proxy's)
+
+Nothing is allocated or compiled: the step is traced and exported for a GPU from
+ShapeDtypeStructs sharded over an abstract mesh, so a laptop plans the 128-GPU run.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
+
+import training
+from configs import RunConfig
+from model import common, llama
+from offload import memory, placement, policies, trace
+
+GiB, MiB = 2**30, 2**20
+HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+HOST_POOL_DEFAULT_GIB = 64  # XLA's pinned-host allocator on GPU, unless the variable says more
+
+
+def _size(n: int) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
+
+
+class Program:
+    """One step of (model, run, table) on a mesh of this shape, as abstract values."""
+
+    def __init__(self, model, run: RunConfig, table: dict | None, mesh_shape: tuple[int, int]):
+        self.model, self.run, self.table = model, run, table
+        self.devices = math.prod(mesh_shape)
+        mesh = AbstractMesh(mesh_shape, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+        self.fsdp = mesh_shape[1]
+        self.rules = common.AxisRules(mesh=mesh)
+        self.optimizer = training.make_optimizer(run.optimizer, run.steps)
+        self.state = training.abstract_state(model, run, self.rules, self.optimizer)
+        self.batch = training.abstract_batch(run, self.rules, self.devices)
+        # One device's share of the work, unsharded: its activations are what it stores.
+        self.specs = llama.param_specs(model)
+        self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
+        self.local_batch = jax.ShapeDtypeStruct(
+            (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
+
+    def local_loss(self, table: dict | None):
+        policy = None if table is None else policies.checkpoint_policy(table)
+        return partial(training.loss_fn, model=self.model, policy=policy, rules=None,
+                       dtype=jnp.dtype(self.run.compute_dtype))
+
+    def tag_lines(self) -> list[memory.TagLine]:
+        """Every tag: per-device per-layer value, placement asked, whether the backward pass
+        needs it, and whether the exported GPU program offloads it."""
+        tagged = trace.tagged_values(self.local_loss(None), self.local_params, self.local_batch)
+        everything = {tag: "offload" for tag in tagged}
+        needed = trace.offloaded_tags(jax.grad(self.local_loss(everything)),
+                                      self.local_params, self.local_batch)
+        step = training.make_step(self.model, self.run, self.table, self.rules, self.optimizer)
+        offloaded = placement.verify_offloads(step, self.state, self.batch)
+        table = self.table or {}
+        return [memory.TagLine(sites[0], table.get(tag, "remat"), tag in needed,
+                               tag in offloaded) for tag, sites in tagged.items()]
+
+    def memory_plan(self, capacity: int) -> memory.MemoryPlan:
+        residuals = trace.saved_residuals(self.local_loss(self.table), self.local_params,
+                                          self.local_batch)
+        shapes = {leaf.shape for leaf in jax.tree.leaves(self.local_params)}
+        layer = {k: common.ParamSpec(v.shape[1:], v.axes[1:], v.std)
+                 for k, v in self.specs["layers"].items()}
+        weights_per_layer = common.param_count(layer)
+        return memory.MemoryPlan(
+            params=memory.per_device_bytes(self.state["params"]),
+            grads=memory.per_device_bytes(self.state["params"]),
+            optimizer=memory.per_device_bytes(self.state["opt_state"]),
+            tags=self.tag_lines(),
+            residuals=memory.per_device_residuals(residuals, shapes, self.fsdp),
+            layers=self.model.n_layers,
+            layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
+            layer_grads=weights_per_layer * jnp.dtype(self.run.param_dtype).itemsize,
+            capacity=capacity)
+
+
+def placement_lines(lines: list[memory.TagLine]) -> list[str]:
+    """The placement list: one line per tag, and the offloaded total per layer."""
+    out = [f"{'tag':<20}{'per layer, per device':<26}{'bytes':>9}  {'asked':<8} "
+           "exported GPU program"]
+    for line in lines:
+        v = line.value
+        shape = "x".join(map(str, v.shape)) + f" {jnp.dtype(v.dtype).name}"
+        if not line.needed:
+            verdict = "nothing to place: the backward pass never reads it"
+        elif line.offloaded:
+            verdict = "pinned_host, back to device for the backward pass"
+        else:
+            verdict = "stays on device" if line.placement == "device" else (
+                "recomputed" if line.placement == "remat" else "NOT OFFLOADED")
+            if v.tag == policies.LAYER_INPUT:
+                verdict = "kept on device: a checkpointed layer always keeps its input"
+        out.append(f"{v.tag:<20}{shape:<26}{_size(v.nbytes):>9}  {line.placement:<8} {verdict}")
+    moved = [line.value for line in lines if line.offloaded]
+    if moved:
+        per_layer = sum(v.nbytes for v in moved)
+        out.append(f"offloaded: {' + '.join(f'{v.tag} {_size(v.nbytes)}' for v in moved)} = "
+                   f"{_size(per_layer)} per layer; x {moved[0].count} layers = "
+                   f"{_size(per_layer * moved[0].count)} in host memory")
+    return out
+
+
+def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
+    device = [r for r in plan.residuals if not r.on_host]
+    stacked = sum(r.nbytes for r in device if r.shape[:1] == (plan.layers,))
+    rows = [
+        ("parameters", plan.params, "fp32 master weights, FSDP shard"),
+        ("gradients", plan.grads, "same sharding as the parameters"),
+        ("optimizer state", plan.optimizer, "AdamW moments, same sharding"),
+        ("activations on device", plan.device_activations,
+         f"{_size(stacked)} stacked over the {plan.layers} layers (layer inputs and tags kept "
+         f"on device), the rest after the last layer (final norm, logits)"),
+        ("one layer's backward", plan.layer_working_set,
+         "its tagged values, its gathered weights x2, its unreduced gradients"),
+    ]
+    out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows]
+    out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
+               f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}); an estimate:"
+               " NCCL scratch, cuDNN workspaces and XLA temporaries are not in a static plan")
+    out.append(f"{'host (pinned)':<23}{_size(plan.host_activations):>10}  offloaded "
+               "activations, stored over the whole forward pass")
+    if plan.host_activations > host_pool_gib * GiB:
+        need = math.ceil(plan.host_activations / GiB * 1.1)
+        out.append(f"WARNING: {_size(plan.host_activations)} of host activations exceed XLA's "
+                   f"pinned-host pool ({host_pool_gib:g} GiB): set {HOST_POOL_VARIABLE}={need} "
+                   "(per process) or offload less")
+    return out
