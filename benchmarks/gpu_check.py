@@ -1,0 +1,135 @@
+"""The study's four Llama rows on one GPU, at 405B width, with offloaded gradients checked.
+
+    python benchmarks/gpu_check.py           one GPU (e.g. an H200): a few minutes
+    python benchmarks/gpu_check.py --smoke   tiny shapes on any backend (the CPU test of this)
+
+1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
+   #46231): for each row's policy and XLA flags, loss and gradients at f32 / highest matmul
+   precision against no checkpointing, over several scanned layers.
+2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
+   proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:
+   step time (forward + backward), TFLOP/s/device by MaxText's formula, peak device memory,
+   and the compiled program's host (pinned) bytes.
+"""
+
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import configs  # noqa: E402
+import training  # noqa: E402
+from model import common, llama  # noqa: E402
+from offload import policies  # noqa: E402
+
+ROWS = configs.COMPARISONS["llama405b-compare"]
+WIDE = dataclasses.replace(configs.get("llama405b-offload").model, n_layers=3)
+SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=512,
+                            d_model=128, n_layers=3, n_heads=4, head_dim=32, d_ff=416)
+
+
+def value_and_grad_fn(model, table, dtype, flags):
+    policy = None if table is None else policies.checkpoint_policy(table)
+    loss = partial(training.loss_fn, model=model, policy=policy, rules=None, dtype=dtype)
+    options = training.gpu_compiler_options(flags) if jax.default_backend() == "gpu" else None
+    return jax.jit(jax.value_and_grad(loss), compiler_options=options)
+
+
+def random_params(model, dtype):
+    mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+    params = common.init_params(llama.param_specs(model), common.AxisRules(mesh=mesh),
+                                jax.random.key(0))
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def check_gradients(smoke: bool) -> list[dict]:
+    """Every row's policy and flags against no checkpointing, in f32."""
+    model = SMOKE if smoke else dataclasses.replace(WIDE, d_model=2048, d_ff=6656, n_heads=16,
+                                                    n_layers=6, vocab=32_768)
+    params = random_params(model, jnp.float32)
+    batch = jax.random.randint(jax.random.key(1), (2, 65 if smoke else 1025), 0, model.vocab)
+    with jax.default_matmul_precision("highest"):
+        ref_loss, ref_grads = value_and_grad_fn(model, None, jnp.float32, {})(params, batch)
+        results = []
+        for name in ROWS:
+            run = configs.get(name).run
+            table = policies.placement_table(run.policy)
+            loss, grads = value_and_grad_fn(model, table, jnp.float32, run.xla_flags)(
+                params, batch)
+            scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
+            error = max(float(jnp.abs(a - b).max()) for a, b in
+                        zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+            results.append({"row": name, "loss_diff": abs(float(loss - ref_loss)),
+                            "grad_max_abs_diff": error, "grad_rel": error / scale,
+                            "ok": error <= 1e-5 * scale})
+    return results
+
+
+def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
+    """Forward + backward of one row at 405B width; run in a fresh process."""
+    run = configs.get(name).run
+    model = SMOKE if smoke else WIDE
+    seq, batch_size = (64, 2) if smoke else (run.seq, 1)
+    dtype = jnp.float32 if smoke else jnp.bfloat16
+    params = random_params(model, dtype)
+    batch = jax.random.randint(jax.random.key(1), (batch_size, seq + 1), 0, model.vocab)
+    fn = value_and_grad_fn(model, policies.placement_table(run.policy), dtype, run.xla_flags)
+    started = time.perf_counter()
+    compiled = fn.lower(params, batch).compile()
+    compile_s = time.perf_counter() - started
+    times = []
+    for _ in range(steps + 1):
+        started = time.perf_counter()
+        jax.block_until_ready(compiled(params, batch))
+        times.append(time.perf_counter() - started)
+    step_s = statistics.median(times[1:])
+    stats = jax.local_devices()[0].memory_stats() or {}
+    analysis = compiled.memory_analysis()
+    return {"row": name, "layers": model.n_layers, "seq": seq, "batch": batch_size,
+            "compile_s": compile_s, "step_ms": step_s * 1e3,
+            "tflops_per_device": llama.training_flops(model, batch_size, seq) / step_s / 1e12,
+            "peak_device_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
+            "host_temp_gib": getattr(analysis, "host_temp_size_in_bytes", 0) / 2**30,
+            "device_temp_gib": getattr(analysis, "temp_size_in_bytes", 0) / 2**30}
+
+
+def main(argv: list[str]) -> int:
+    smoke = "--smoke" in argv
+    if "--row" in argv:
+        print(json.dumps(measure_row(argv[argv.index("--row") + 1], smoke)))
+        return 0
+    print(f"backend {jax.default_backend()}: {jax.devices()[0].device_kind}"
+          + (" (smoke shapes: not the real check)" if smoke else ""))
+    correctness = check_gradients(smoke)
+    for r in correctness:
+        print(f"gradients {r['row']:<30} max|diff| {r['grad_max_abs_diff']:.3e} "
+              f"({r['grad_rel']:.2e} of max|grad|), loss diff {r['loss_diff']:.2e}  "
+              f"{'OK' if r['ok'] else 'WRONG'}")
+    rows = []
+    for name in ROWS:
+        args = [sys.executable, __file__, "--row", name] + (["--smoke"] if smoke else [])
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    keys = ["step_ms", "tflops_per_device", "peak_device_gib", "host_temp_gib",
+            "device_temp_gib", "compile_s"]
+    print(f"{'row':<30}" + "".join(f"{k:>18}" for k in keys))
+    for r in rows:
+        print(f"{r['row']:<30}" + "".join(f"{r[k]:>18.2f}" for k in keys))
+    print(f"(L={rows[0]['layers']}, seq {rows[0]['seq']}, batch {rows[0]['batch']}; forward + "
+          "backward, no optimizer; TFLOP/s by MaxText's formula)")
+    return 0 if all(r["ok"] for r in correctness) else 1
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    sys.exit(main(sys.argv[1:]))
