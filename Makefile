@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
 
-.PHONY: help install test bench list clean
+.PHONY: help install lint test bench list clean
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
@@ -25,7 +25,10 @@ install: $(READY)
 list: $(READY)
 	@$(PY) train.py --list
 
-test: $(READY)
+lint: $(READY)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest
 
 bench: $(READY)

@@ -17,8 +17,11 @@ from offload import policies
 
 def cross_entropy(logits, targets):
     """Mean next-token cross-entropy in fp32; logits [B, T, V], targets [B, T]."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logprobs, targets[..., None], axis=-1))
+    # logsumexp - the target's logit is -log_softmax[target]; its gradient is softmax - one_hot,
+    # with no [B, T, V] log-probabilities kept for the backward pass.
+    logits = logits.astype(jnp.float32)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits)
 
 
 def loss_fn(params, batch, *, model, policy, rules, dtype):

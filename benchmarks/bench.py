@@ -7,6 +7,7 @@ model FLOP rate (MaxText's count, no recompute) over the rate of a large f32 mat
 """
 
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -81,6 +82,12 @@ def main(argv: list[str]) -> None:
         rate = flops / seconds
         print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
               f"{seconds / times['remat']:>10.2f}")
+    print("(on a CPU, offload keeps Q/K/V in memory: the gain over remat is the recompute saved)")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "train.py", name, "--plan"], check=True,
+                   stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
+    print(f"full-scale plan of {name} (python train.py {name} --plan, a fresh process): "
+          f"{time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":

@@ -81,8 +81,12 @@ def forward(params, tokens, cfg: LlamaConfig, *, policy=None, rules: AxisRules |
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, params["layers"])
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    return jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dtype),
-                      preferred_element_type=jnp.float32)
+    # One 2-D [B*T, D] x [D, V] dot, the same math as "btd,dv->btv": XLA's CPU backend then
+    # keeps the backward dots row-major instead of transposing a [V, B*T] copy of dlogits.
+    batch, seq, width = x.shape
+    logits = jnp.dot(x.reshape(batch * seq, width), params["lm_head"].astype(dtype),
+                     preferred_element_type=jnp.float32)
+    return logits.reshape(batch, seq, cfg.vocab)
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
