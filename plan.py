@@ -7,6 +7,7 @@ ShapeDtypeStructs sharded over an abstract mesh, so a laptop plans the 128-GPU r
 """
 
 import math
+import os
 from functools import partial
 
 import jax
@@ -108,6 +109,16 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
                    f"{_size(per_layer)} per layer; x {moved[0].count} layers = "
                    f"{_size(per_layer * moved[0].count)} in host memory")
     return out
+
+
+def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
+    """The whole plan: a title, the placement list, the memory lines."""
+    devices = run.mesh.data * run.mesh.fsdp
+    pool = float(os.environ.get(HOST_POOL_VARIABLE, HOST_POOL_DEFAULT_GIB))
+    title = (f"memory plan: {name} at full scale, per device of the mesh data={run.mesh.data} x "
+             f"fsdp={run.mesh.fsdp} ({run.device}); {run.batch(devices)} sequences x {run.seq} "
+             f"tokens; policy {run.policy}")
+    return [title, *placement_lines(plan.tags), *memory_lines(plan, pool)]
 
 
 def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:

@@ -51,9 +51,9 @@ class RunLog:
     """Prints on process 0 only; times each step from the previous step's completion."""
 
     def __init__(self, setup, mesh, batch_size: int, flops: float, compile_s: float, compiled,
-                 placements: dict[str, list]):
+                 full_plan, run_tags: list):
         self.setup, self.run, self.flops, self.compiled = setup, setup.run, flops, compiled
-        offloaded = [line.value for line in placements["this run"] if line.offloaded]
+        offloaded = [line.value for line in run_tags if line.offloaded]
         self.host_planned = sum(v.nbytes * v.count for v in offloaded)
         self.tokens = batch_size * setup.run.seq
         self.devices = jax.device_count()
@@ -69,10 +69,13 @@ class RunLog:
                 "policy": setup.table}, indent=2, default=str))
             self.metrics = open(self.dir / "metrics.jsonl", "a")
         self._print_header(mesh, batch_size, compile_s)
-        for scale, lines in placements.items():
-            self._say(f"placement, {scale} (per device; proved on the program exported for a GPU):")
-            for line in plan.placement_lines(lines):
-                self._say("  " + line)
+        full = setup.experiment
+        for line in plan.plan_lines(full.name, full.run, full_plan):
+            self._say(line)
+        self._say("-" * 100)
+        self._say("placement, this run (per device; proved on the program exported for a GPU):")
+        for line in plan.placement_lines(run_tags):
+            self._say(line)
         self._say("=" * 100)
         self.last = time.perf_counter()
 

@@ -24,7 +24,7 @@ from configs import ConfigError
 from data import DataError, token_source
 from model import common, llama
 from model.hf import CheckpointError, load_llama
-from offload import policies
+from offload import memory, policies
 
 
 @dataclasses.dataclass
@@ -126,21 +126,19 @@ def global_batch(setup: Setup, step: int, sharding, batch_size: int):
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
-def placements(setup: Setup, mesh_shape: tuple[int, int]) -> dict[str, list]:
-    """The placement list (proved on the program exported for a GPU) at full scale and at the
-    scale that runs."""
-    full = setup.experiment
-    full_mesh = (full.run.mesh.data, full.run.mesh.fsdp)
-    return {"full scale": plan.Program(full.model, full.run, setup.table, full_mesh).tag_lines(),
-            "this run": plan.Program(setup.model, setup.run, setup.table,
-                                     mesh_shape).tag_lines()}
+def full_scale_plan(experiment: configs.Experiment, table: dict | None) -> memory.MemoryPlan:
+    """The experiment's full-scale memory plan and placement list under this run's table."""
+    run = experiment.run
+    return plan.Program(experiment.model, run, table, (run.mesh.data, run.mesh.fsdp)).memory_plan(
+        configs.DEVICE_MEMORY_GB[run.device] * 10**9)
 
 
 def train(setup: Setup) -> dict | None:
     """Run the experiment; its summary, or None when the loss stopped being finite."""
     run, n_devices = setup.run, jax.device_count()
     data_axis, fsdp_axis = run.mesh.shape(n_devices)
-    tag_lines = placements(setup, (data_axis, fsdp_axis))
+    full_plan = full_scale_plan(setup.experiment, setup.table)
+    run_tags = plan.Program(setup.model, run, setup.table, (data_axis, fsdp_axis)).tag_lines()
     mesh = common.make_mesh((data_axis, fsdp_axis), ("data", "fsdp"))
     rules = common.AxisRules(mesh=mesh)
     batch_size = run.batch(n_devices)
@@ -153,7 +151,7 @@ def train(setup: Setup) -> dict | None:
     step = compile_step(step, state, batch)
     compile_s = time.perf_counter() - started
     flops = llama.training_flops(setup.model, batch_size / n_devices, run.seq)
-    log = report.RunLog(setup, mesh, batch_size, flops, compile_s, step, tag_lines)
+    log = report.RunLog(setup, mesh, batch_size, flops, compile_s, step, full_plan, run_tags)
     pending = None  # (step, metrics) dispatched, not yet read: read it after the next dispatch
     for i in range(1, run.steps + 1):
         log.maybe_start_profile(i)
@@ -173,19 +171,11 @@ def print_plan(name: str, args: list[str]) -> None:
                                          configs.parse_overrides(args))
     if run.mesh.fsdp < 1:
         raise ConfigError("--plan needs the mesh spelled out: set mesh.fsdp")
-    mesh_shape = (run.mesh.data, run.mesh.fsdp)
     if found := configs.problems(model, run, run.mesh.data * run.mesh.fsdp):
         raise ConfigError("; ".join(found))
-    table = placement_table(run)
     started = time.perf_counter()
-    memory = plan.Program(model, run, table, mesh_shape).memory_plan(
-        configs.DEVICE_MEMORY_GB[run.device] * 10**9)
-    pool = float(os.environ.get(plan.HOST_POOL_VARIABLE, plan.HOST_POOL_DEFAULT_GIB))
-    print(f"memory plan: {name} at full scale, per device of the mesh data={mesh_shape[0]} x "
-          f"fsdp={mesh_shape[1]} ({run.device}); {run.batch(mesh_shape[0] * mesh_shape[1])} "
-          f"sequences x {run.seq} tokens; policy {run.policy}")
-    print("\n".join(plan.placement_lines(memory.tags)))
-    print("\n".join(plan.memory_lines(memory, pool)))
+    full = dataclasses.replace(experiment, model=model, run=run)
+    print("\n".join(plan.plan_lines(full.name, run, full_scale_plan(full, placement_table(run)))))
     print(f"(planned in {time.perf_counter() - started:.1f} s from abstract values: nothing "
           "allocated; offloads read from the step exported for a GPU)")
 
