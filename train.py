@@ -23,7 +23,9 @@ import training
 from configs import ConfigError
 from data import DataError, token_source
 from model import common, llama
-from model.hf import CheckpointError, load_llama
+from model.checkpoint import CheckpointError
+from model.config import LlamaConfig
+from model.hf import load_checkpoint
 from offload import memory, policies
 
 
@@ -77,7 +79,10 @@ def resolve(name: str, args: list[str]) -> Setup:
         if any(k.startswith("model.") for k in overrides):
             raise ConfigError("model.* overrides conflict with init_from (the checkpoint's "
                               "config.json defines the model)")
-        model, hf_params = load_llama(run.init_from)
+        model, hf_params = load_checkpoint(run.init_from)
+        if not isinstance(model, LlamaConfig):
+            raise ConfigError(f"init_from={run.init_from}: a {type(model).__name__} checkpoint; "
+                              "this trainer runs Llama experiments")
     if found := configs.problems(model, run, jax.device_count()):
         raise ConfigError("; ".join(found))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed)

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from model.config import Llama3RopeScaling
+from jax.ad_checkpoint import checkpoint_name
+
+from model.config import Llama3RopeScaling, YarnScaling
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -30,6 +32,8 @@ class AxisRules:
     kv_heads: MeshAxes = None
     head_dim: MeshAxes = None
     mlp: MeshAxes = None
+    latent: MeshAxes = None  # MLA's low-rank projections
+    experts: MeshAxes = None
     layers: MeshAxes = None
     mesh: Mesh | AbstractMesh | None = None  # abstract when exporting without devices
 
@@ -59,7 +63,7 @@ class ParamSpec:
     """One parameter before it exists: shape, logical axes and how to initialise it."""
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
-    std: float | None = None  # normal(0, std); None means ones (norm weights)
+    std: float | None = None  # normal(0, std), zeros for 0; None means ones (norm weights)
 
 
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
@@ -120,11 +124,41 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | N
     return scaled.astype(np.float32)
 
 
-def rope_tables(seq_len: int, freqs: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [T, H] in the rotate-half layout (the H/2 frequencies twice), angles in fp32."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, yarn: YarnScaling) -> np.ndarray:
+    """YaRN inverse frequencies [dim/2]: the original ones up to the fast-rotation correction
+    dimension, divided by `factor` past the slow one, a ramp linear in the index between."""
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    return (freqs / yarn.factor * ramp + freqs * (1 - ramp)).astype(np.float32)
+
+
+def yarn_attention_factor(yarn: YarnScaling) -> float:
+    """Hugging Face's factor on cos and sin (1 for DeepSeek-V3, where mscale = mscale_all_dim)."""
+    if yarn.mscale and yarn.mscale_all_dim:
+        return yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+    return yarn_mscale(yarn.factor)
+
+
+def rope_tables(seq_len: int, freqs: np.ndarray, dtype, factor: float = 1.0):
+    """cos and sin [T, H] in the rotate-half layout (the H/2 frequencies twice), angles in fp32,
+    times `factor` (YaRN's attention factor), then cast to the compute dtype."""
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    return (jnp.cos(angles) * factor).astype(dtype), (jnp.sin(angles) * factor).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -134,10 +168,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(H)) v with a causal mask; q [B,T,N,H], k and v [B,S,K,H].
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None):
+    """softmax(q k^T * scale) v with a causal mask (scale 1/sqrt(H) by default); q [B,T,N,H],
+    k [B,S,K,H], v [B,S,K,H'] with H' <= H.
 
     Query head n reads kv head n // (N/K), Hugging Face's repeat-interleave GQA mapping.
-    The softmax runs in fp32. On GPU this picks cuDNN flash attention when it can.
+    The softmax runs in fp32. On GPU this picks cuDNN flash attention when it can; those kernels
+    want one head dim for q, k and v, so a narrower v (MLA: 128 vs 192) is padded with zero
+    columns, whose outputs are zero and sliced off: 50% more P.V work, but a fused kernel.
     """
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    pad = q.shape[-1] - v.shape[-1]
+    if pad:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+    return out[..., : out.shape[-1] - pad] if pad else out
+
+
+def swiglu(h: jax.Array, w: dict) -> jax.Array:
+    """The SwiGLU MLP down(silu(gate(h)) * up(h)), [B, T, D] -> [B, T, D], tagged."""
+    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
+    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
+    return checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]),
+                           "mlpwo")

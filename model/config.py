@@ -41,3 +41,70 @@ class LlamaConfig:
         if scaling and scaling.high_freq_factor <= scaling.low_freq_factor:
             found.append("model.rope_scaling.high_freq_factor must exceed low_freq_factor")
         return found
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling as Hugging Face computes it (`rope_type: "yarn"`)."""
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = 1.0
+    mscale_all_dim: float | None = 1.0
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekConfig:
+    """A DeepSeek-V3-style decoder: MLA attention, dense MLP in the first layers, then MoE.
+
+    Letters as in the README glossary, plus R (LoRA ranks), E (routed experts).
+    """
+    vocab: int  # V
+    d_model: int  # D
+    n_layers: int  # L, dense and MoE together
+    n_dense_layers: int  # the first layers use a dense MLP (`first_k_dense_replace`)
+    n_heads: int  # N
+    q_lora_rank: int | None  # R of the query down-projection; None: a plain q_proj
+    kv_lora_rank: int  # R of the compressed key/value latent
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    d_ff: int  # F of the dense layers
+    moe_d_ff: int  # F of each routed (and each shared) expert
+    n_experts: int  # E
+    experts_per_token: int
+    n_shared_experts: int
+    n_groups: int  # experts are split in this many groups; a token's experts come from
+    topk_groups: int  # this many of them
+    routed_scaling: float
+    norm_topk_prob: bool = True
+    rope_theta: float = 10_000.0
+    rope_interleave: bool = True  # rope dims as interleaved pairs (2i, 2i+1); else rotate-half
+    rope_scaling: YarnScaling | None = YarnScaling()
+    max_position: int = 163_840
+    norm_eps: float = 1e-6
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    def problems(self) -> list[str]:
+        found = [f"model.{f.name} must be positive, got {getattr(self, f.name)}"
+                 for f in dataclasses.fields(self) if f.name != "n_dense_layers"
+                 and type(getattr(self, f.name)) in (int, float) and getattr(self, f.name) <= 0]
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            found.append(f"model.n_dense_layers={self.n_dense_layers} must lie in 0..n_layers")
+        if self.n_groups > 0 and self.n_experts % self.n_groups:
+            found.append(f"model.n_experts={self.n_experts} is not divisible by "
+                         f"model.n_groups={self.n_groups}")
+        if self.topk_groups > self.n_groups:
+            found.append("model.topk_groups exceeds model.n_groups")
+        if self.n_groups > 0 and self.n_experts // self.n_groups < 2:
+            found.append("each expert group needs at least 2 experts (groups score by top-2)")
+        if self.experts_per_token > self.topk_groups * (self.n_experts // max(self.n_groups, 1)):
+            found.append("model.experts_per_token exceeds the experts of the kept groups")
+        if self.qk_rope_dim % 2:
+            found.append(f"model.qk_rope_dim={self.qk_rope_dim} must be even")
+        return found

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          param_count, rms_norm, rope_frequencies, rope_tables, stack)
+                          param_count, rms_norm, rope_frequencies, rope_tables, stack, swiglu)
 from model.config import LlamaConfig
 
 
@@ -54,11 +54,7 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None):
         x = constrain(x + out, rules, ("batch", "seq", None))
     with jax.named_scope("mlp"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-        gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
-        up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
-        down = checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]),
-                               "mlpwo")
-        return constrain(x + down, rules, ("batch", "seq", None))
+        return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
 
 
 def forward(params, tokens, cfg: LlamaConfig, *, policy=None, rules: AxisRules | None = None,

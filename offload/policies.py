@@ -12,9 +12,14 @@ from collections.abc import Mapping
 
 import jax
 
-# The only list of tag names; tests check it against the traced model.
+# The only lists of tag names, per layer scan; tests check them against the traced models.
 LLAMA_TAGS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out",
               "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+_MLA_TAGS = ("decoder_layer_input", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
+             "query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
+DEEPSEEK_DENSE_TAGS = (*_MLA_TAGS, "mlpwi_0", "mlpwi_1", "mlpwo")
+# The MoE layer's shared expert is a SwiGLU (mlpwi_*); the routed experts are moe_mlpwi_*.
+DEEPSEEK_MOE_TAGS = (*DEEPSEEK_DENSE_TAGS, "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
 PLACEMENTS = ("device", "offload", "remat")
 # Every checkpointed layer keeps its input (the point its recomputation starts from): on
 # device unless this tag is offloaded. "remat" cannot apply to it.

@@ -11,7 +11,7 @@ import training
 from configs.llama3 import LLAMA31_8B, LLAMA31_70B, LLAMA31_405B
 from model import common, llama
 from model.config import LlamaConfig
-from model.hf import load_llama
+from model.hf import load_checkpoint
 from offload import policies
 from offload.trace import tagged_values
 
@@ -36,7 +36,7 @@ def tokens(batch=2, seq=12, vocab=TINY.vocab, seed=1):
 
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_sharded"])
 def test_logits_and_loss_match_hugging_face(name):
-    cfg, params = load_llama(f"{FIXTURES}/{name}")
+    cfg, params = load_checkpoint(f"{FIXTURES}/{name}")
     expected = np.load(f"{FIXTURES}/{name}/expected.npz")
     logits = np.asarray(llama.forward(params, expected["tokens"], cfg, dtype=jnp.float32))
     reference = expected["logits"]

@@ -1,0 +1,249 @@
+"""DeepSeek-V3 decoder (Hugging Face `DeepseekV3ForCausalLM` numerics): MLA attention in every
+layer, a dense SwiGLU in the first `n_dense_layers`, routed + shared experts after; the dense
+and the MoE layers are two scans, each with its own checkpoint policy.
+
+Letters: B batch, T sequence, D d_model, N heads, R LoRA rank, E routed experts, F MLP width,
+V vocab. Tags use MaxText's names and positions.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
+                          rms_norm, rope_tables, stack, swiglu, yarn_attention_factor,
+                          yarn_frequencies, yarn_mscale)
+from model.config import DeepSeekConfig
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm ignore the config's eps
+
+
+def _attention_specs(cfg: DeepSeekConfig) -> dict:
+    D, N, R = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank
+    qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+    if cfg.q_lora_rank is None:
+        query = {"wq": ParamSpec((D, N, qk), ("embed", "heads", "head_dim"), D**-0.5)}
+    else:
+        Q = cfg.q_lora_rank
+        query = {"wq_a": ParamSpec((D, Q), ("embed", "latent"), D**-0.5),
+                 "q_norm": ParamSpec((Q,), ("latent",)),
+                 "wq_b": ParamSpec((Q, N, qk), ("latent", "heads", "head_dim"), Q**-0.5)}
+    return {
+        "attn_norm": ParamSpec((D,), ("embed",)),
+        **query,
+        "wkv_a": ParamSpec((D, R + cfg.qk_rope_dim), ("embed", "latent"), D**-0.5),
+        "kv_norm": ParamSpec((R,), ("latent",)),
+        "wkv_b": ParamSpec((R, N, cfg.qk_nope_dim + cfg.v_head_dim),
+                           ("latent", "heads", "head_dim"), R**-0.5),
+        "wo": ParamSpec((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"),
+                        (N * cfg.v_head_dim) ** -0.5),
+        "mlp_norm": ParamSpec((D,), ("embed",)),
+    }
+
+
+def _mlp_specs(d_model: int, d_ff: int) -> dict:
+    return {"w_gate": ParamSpec((d_model, d_ff), ("embed", "mlp"), d_model**-0.5),
+            "w_up": ParamSpec((d_model, d_ff), ("embed", "mlp"), d_model**-0.5),
+            "w_down": ParamSpec((d_ff, d_model), ("mlp", "embed"), d_ff**-0.5)}
+
+
+def _moe_specs(cfg: DeepSeekConfig) -> dict:
+    D, E, F = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
+    return {
+        "router": ParamSpec((D, E), ("embed", "experts"), D**-0.5),
+        "router_bias": ParamSpec((E,), ("experts",), 0.0),  # selection only; no gradient
+        "we_gate": ParamSpec((E, D, F), ("experts", "embed", "mlp"), D**-0.5),
+        "we_up": ParamSpec((E, D, F), ("experts", "embed", "mlp"), D**-0.5),
+        "we_down": ParamSpec((E, F, D), ("experts", "mlp", "embed"), F**-0.5),
+        **_mlp_specs(D, cfg.n_shared_experts * F),  # the shared experts, as one SwiGLU
+    }
+
+
+def param_specs(cfg: DeepSeekConfig) -> dict:
+    D, V = cfg.d_model, cfg.vocab
+    dense = {**_attention_specs(cfg), **_mlp_specs(D, cfg.d_ff)}
+    moe = {**_attention_specs(cfg), **_moe_specs(cfg)}
+    return {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
+        "dense_layers": {k: stack(s, cfg.n_dense_layers) for k, s in dense.items()},
+        "moe_layers": {k: stack(s, cfg.n_moe_layers) for k, s in moe.items()},
+        "final_norm": ParamSpec((D,), ("embed",)),
+        "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5),
+    }
+
+
+def softmax_scale(cfg: DeepSeekConfig) -> float:
+    """d_qk^-1/2, times m(factor, mscale_all_dim)^2 under YaRN (HF applies it to every logit)."""
+    scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5
+    yarn = cfg.rope_scaling
+    if yarn is not None and yarn.mscale_all_dim:
+        scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+    return scale
+
+
+def _rope(x, cos, sin, interleave: bool):
+    """RoPE on the last axis. Interleaved pairs (2i, 2i+1) are first gathered into the
+    rotate-half layout [evens | odds], which is also the order Hugging Face returns them in."""
+    if interleave:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, cos, sin)
+
+
+def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None):
+    """Multi-head latent attention, expanded as HF computes it: [B, T, D] -> [B, T, D]."""
+    if cfg.q_lora_rank is None:
+        q = jnp.einsum("btd,dnh->btnh", x, w["wq"])
+    else:
+        q_latent = checkpoint_name(jnp.einsum("btd,dr->btr", x, w["wq_a"]), "query_wa_proj")
+        q_latent = checkpoint_name(rms_norm(q_latent, w["q_norm"], LATENT_NORM_EPS), "mla_q")
+        q = jnp.einsum("btr,rnh->btnh", q_latent, w["wq_b"])
+    q_nope, q_rope = jnp.split(q, [cfg.qk_nope_dim], axis=-1)
+    kv_a = checkpoint_name(jnp.einsum("btd,dr->btr", x, w["wkv_a"]), "kv_wa_proj")
+    kv_latent, k_rope = jnp.split(kv_a, [cfg.kv_lora_rank], axis=-1)
+    kv_latent = checkpoint_name(rms_norm(kv_latent, w["kv_norm"], LATENT_NORM_EPS), "mla_kv")
+    k_nope, v = jnp.split(jnp.einsum("btr,rnh->btnh", kv_latent, w["wkv_b"]),
+                          [cfg.qk_nope_dim], axis=-1)
+    q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
+    k_rope = _rope(k_rope[:, :, None, :], cos, sin, cfg.rope_interleave)  # one head, shared
+    q = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "query_proj")
+    k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], cfg.qk_rope_dim))
+    k = checkpoint_name(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj")
+    v = checkpoint_name(v, "value_proj")
+    q = constrain(q, rules, ("batch", "seq", "heads", "head_dim"))
+    k = constrain(k, rules, ("batch", "seq", "heads", "head_dim"))
+    attended = checkpoint_name(causal_attention(q, k, v, softmax_scale(cfg)), "attention_out")
+    return checkpoint_name(jnp.einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
+
+
+def route(x, router, bias, cfg: DeepSeekConfig):
+    """HF's DeepSeek-V3 router on tokens x [S, D] (fp32 throughout): (weights [S, k] fp32,
+    experts [S, k] int32). Sigmoid scores; the bias only steers selection; groups score by the
+    sum of their two best; weights come from the unbiased scores."""
+    scores = jax.nn.sigmoid(jnp.einsum("sd,de->se", x.astype(jnp.float32),
+                                       router.astype(jnp.float32)))
+    choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
+    grouped = choice.reshape(choice.shape[0], cfg.n_groups, -1)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+    _, kept_groups = jax.lax.top_k(group_scores, cfg.topk_groups)
+    kept = jax.nn.one_hot(kept_groups, cfg.n_groups, dtype=jnp.bool_).any(axis=1)
+    choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+    _, experts = jax.lax.top_k(choice, cfg.experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)  # [S, k]
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling, experts
+
+
+def experts_dense(x, weights, experts, w, n_experts: int):
+    """Every expert on every token, each output weighted by its routing weight (0 when not
+    chosen): exact, and on a CPU faster than grouped GEMMs for a few experts. x [S, D]."""
+    combine = jnp.einsum("ske,sk->se", jax.nn.one_hot(experts, n_experts, dtype=weights.dtype),
+                         weights)
+    gate = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_gate"]), "moe_mlpwi_0")
+    up = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_up"]), "moe_mlpwi_1")
+    out = checkpoint_name(jnp.einsum("sef,efd->sed", jax.nn.silu(gate) * up, w["we_down"]),
+                          "moe_mlpwo")
+    return jnp.einsum("sed,se->sd", out, combine.astype(out.dtype))
+
+
+def experts_sorted(x, weights, experts, w, n_experts: int):
+    """Dropless grouped GEMMs: the S*k (token, expert) pairs sorted by expert, one
+    `ragged_dot` per projection, outputs weighted and summed back per token. x [S, D]."""
+    k = experts.shape[1]
+    order = jnp.argsort(experts.reshape(-1))
+    tokens = order // k
+    sizes = jnp.bincount(experts.reshape(-1), length=n_experts).astype(jnp.int32)
+    rows = x[tokens]
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, w["we_gate"], sizes), "moe_mlpwi_0")
+    up = checkpoint_name(jax.lax.ragged_dot(rows, w["we_up"], sizes), "moe_mlpwi_1")
+    out = checkpoint_name(jax.lax.ragged_dot(jax.nn.silu(gate) * up, w["we_down"], sizes),
+                          "moe_mlpwo")
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    return jnp.zeros_like(x).at[tokens].add(out)
+
+
+EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
+
+
+def moe(x, w, cfg: DeepSeekConfig, expert_path: str):
+    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E]."""
+    B, T, D = x.shape
+    tokens = x.reshape(B * T, D)
+    weights, experts = route(tokens, w["router"], w["router_bias"], cfg)
+    routed = EXPERT_PATHS[expert_path](tokens, weights, experts, w, cfg.n_experts)
+    load = jnp.bincount(experts.reshape(-1), length=cfg.n_experts)
+    return routed.reshape(B, T, D) + swiglu(x, w), load
+
+
+def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None):
+    x = checkpoint_name(x, "decoder_layer_input")
+    with jax.named_scope("attention"):
+        x = x + mla(rms_norm(x, w["attn_norm"], cfg.norm_eps), w, cfg, cos, sin, rules)
+        x = constrain(x, rules, ("batch", "seq", None))
+    with jax.named_scope("mlp"):
+        x = x + swiglu(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w)
+        return constrain(x, rules, ("batch", "seq", None))
+
+
+def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted"):
+    """A MoE layer: (x', expert token counts [E])."""
+    x = checkpoint_name(x, "decoder_layer_input")
+    with jax.named_scope("attention"):
+        x = x + mla(rms_norm(x, w["attn_norm"], cfg.norm_eps), w, cfg, cos, sin, rules)
+        x = constrain(x, rules, ("batch", "seq", None))
+    with jax.named_scope("moe"):
+        out, load = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path)
+        return constrain(x + out, rules, ("batch", "seq", None)), load
+
+
+def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
+    yarn = cfg.rope_scaling
+    if yarn is None:
+        freqs = 1.0 / cfg.rope_theta ** (jnp.arange(0, cfg.qk_rope_dim, 2) / cfg.qk_rope_dim)
+        return rope_tables(seq_len, freqs, dtype)
+    freqs = yarn_frequencies(cfg.qk_rope_dim, cfg.rope_theta, yarn)
+    return rope_tables(seq_len, freqs, dtype, yarn_attention_factor(yarn))
+
+
+def forward(params, tokens, cfg: DeepSeekConfig, *, policies=(None, None), rules=None,
+            dtype=jnp.bfloat16, expert_path="sorted"):
+    """tokens [B, T] -> (logits [B, T, V] fp32, tokens per expert [L_moe, E]).
+
+    `policies` are the `jax.checkpoint` policies of the dense and the MoE layer scans.
+    """
+    cos, sin = rope_for(cfg, tokens.shape[1], dtype)
+    x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
+                  ("batch", "seq", None))
+
+    def dense_layer(x, w):
+        w = jax.tree.map(lambda a: a.astype(dtype), w)
+        return dense_block(x, w, cfg, cos, sin, rules), None
+
+    def moe_layer(x, w):
+        w = {k: a if k.startswith("router") else a.astype(dtype) for k, a in w.items()}
+        return moe_block(x, w, cfg, cos, sin, rules, expert_path)
+
+    dense_policy, moe_policy = policies
+    if dense_policy is not None:
+        dense_layer = jax.checkpoint(dense_layer, policy=dense_policy, prevent_cse=False)
+    if moe_policy is not None:
+        moe_layer = jax.checkpoint(moe_layer, policy=moe_policy, prevent_cse=False)
+    x, _ = jax.lax.scan(dense_layer, x, params["dense_layers"])
+    x, load = jax.lax.scan(moe_layer, x, params["moe_layers"])
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    batch, seq, width = x.shape
+    logits = jnp.dot(x.reshape(batch * seq, width), params["lm_head"].astype(dtype),
+                     preferred_element_type=jnp.float32)
+    return logits.reshape(batch, seq, cfg.vocab), load
+
+
+def active_params_per_token(cfg: DeepSeekConfig) -> int:
+    """Parameters one token uses: all but the routed experts it does not reach (and the
+    embedding table beyond its own row is still counted, as DeepSeek's 37B figure does)."""
+    specs = param_specs(cfg)
+    total = sum(math.prod(s.shape) for s in jax.tree.leaves(
+        specs, is_leaf=lambda s: isinstance(s, ParamSpec)))
+    per_expert = 3 * cfg.d_model * cfg.moe_d_ff
+    return total - cfg.n_moe_layers * (cfg.n_experts - cfg.experts_per_token) * per_expert

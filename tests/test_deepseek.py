@@ -1,0 +1,157 @@
+"""DeepSeek-V3 against Hugging Face, routing and experts against float64 numpy."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import training
+from model import common, deepseek
+from model.checkpoint import dequantize_fp8
+from model.config import DeepSeekConfig, YarnScaling
+from model.hf import load_checkpoint
+from offload import policies
+from offload.trace import tagged_values
+
+FIXTURES = "tests/fixtures"
+V3 = DeepSeekConfig(vocab=129_280, d_model=7168, n_layers=61, n_dense_layers=3, n_heads=128,
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
+                    v_head_dim=128, d_ff=18_432, moe_d_ff=2048, n_experts=256,
+                    experts_per_token=8, n_shared_experts=1, n_groups=8, topk_groups=4,
+                    routed_scaling=2.5)
+TINY = DeepSeekConfig(vocab=61, d_model=32, n_layers=3, n_dense_layers=1, n_heads=2,
+                      q_lora_rank=12, kv_lora_rank=8, qk_nope_dim=8, qk_rope_dim=4,
+                      v_head_dim=6, d_ff=40, moe_d_ff=16, n_experts=8, experts_per_token=2,
+                      n_shared_experts=1, n_groups=4, topk_groups=2, routed_scaling=2.5,
+                      rope_scaling=YarnScaling(factor=4.0, original_max_position=64),
+                      max_position=256)
+
+
+@pytest.mark.parametrize("expert_path", list(deepseek.EXPERT_PATHS))
+@pytest.mark.parametrize("name", ["deepseek_yarn", "deepseek_halfrot"])
+def test_logits_and_loss_match_hugging_face(name, expert_path):
+    cfg, params = load_checkpoint(f"{FIXTURES}/{name}")
+    expected = np.load(f"{FIXTURES}/{name}/expected.npz")
+    logits, _ = deepseek.forward(params, expected["tokens"], cfg, dtype=jnp.float32,
+                                 expert_path=expert_path)
+    reference = expected["logits"]
+    assert np.abs(np.asarray(logits) - reference).max() <= 1e-4 * np.abs(reference).max()
+    loss = training.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
+    np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
+
+
+def numpy_route(x, router, bias, cfg):
+    """HF's rules, token by token, in float64."""
+    scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ router.astype(np.float64))))
+    chosen, weights = [], []
+    for s in scores:
+        biased = s + bias
+        groups = biased.reshape(cfg.n_groups, -1)
+        group_score = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
+        kept = np.argsort(-group_score)[:cfg.topk_groups]
+        masked = np.full_like(groups, -np.inf)
+        masked[kept] = groups[kept]
+        experts = np.argsort(-masked.reshape(-1))[:cfg.experts_per_token]
+        w = s[experts]
+        if cfg.norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        chosen.append(experts)
+        weights.append(w * cfg.routed_scaling)
+    return np.array(weights), np.array(chosen)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_matches_a_float64_transcription(norm):
+    cfg = dataclasses.replace(TINY, n_experts=16, experts_per_token=3, n_groups=4,
+                              topk_groups=2, norm_topk_prob=norm)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, cfg.d_model)).astype(np.float32)
+    router = rng.normal(scale=cfg.d_model**-0.5, size=(cfg.d_model, 16)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=16).astype(np.float32)  # big enough to change choices
+    weights, experts = deepseek.route(x, router, bias, cfg)
+    want_w, want_e = numpy_route(x, router, bias, cfg)
+    _, unbiased = numpy_route(x, router, np.zeros(16), cfg)
+    assert (np.sort(want_e, 1) != np.sort(unbiased, 1)).any()  # the bias matters here
+    order, want_order = np.argsort(experts, 1), np.argsort(want_e, 1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),
+                                  np.take_along_axis(want_e, want_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
+                               np.take_along_axis(want_w, want_order, 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("expert_path", list(deepseek.EXPERT_PATHS))
+def test_dropless_experts_equal_a_per_token_loop(expert_path):
+    rng = np.random.default_rng(1)
+    E, D, F, S, k = 6, 16, 12, 40, 3
+    w = {name: rng.normal(scale=0.3, size=shape).astype(np.float32) for name, shape in
+         [("we_gate", (E, D, F)), ("we_up", (E, D, F)), ("we_down", (E, F, D))]}
+    x = rng.normal(size=(S, D)).astype(np.float32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(S)]).astype(np.int32)
+    experts[:10] = experts[0]  # a crowded expert, and others left empty
+    weights = rng.uniform(size=(S, k)).astype(np.float32)
+    got = deepseek.EXPERT_PATHS[expert_path](x, weights, experts, w, E)
+    want = np.zeros((S, D))
+    for t in range(S):
+        for j in range(k):
+            e = experts[t, j]
+            gate, up = x[t] @ w["we_gate"][e], x[t] @ w["we_up"][e]
+            want[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w["we_down"][e])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_real_config_counts():
+    specs = deepseek.param_specs(V3)
+    assert common.param_count(specs) == 671_026_419_200  # correction biases included
+    assert deepseek.active_params_per_token(V3) / 1e9 == pytest.approx(37.55, abs=0.005)
+    assert deepseek.softmax_scale(V3) == pytest.approx(192**-0.5 * (0.1 * np.log(40) + 1) ** 2)
+
+
+def test_yarn_keeps_fast_and_divides_slow_frequencies_for_v3():
+    """maxtext-notes §3: correction dims 10..23 for rope dim 64, base 1e4, original 4096."""
+    freqs = common.yarn_frequencies(64, 10_000.0, V3.rope_scaling)
+    base = 1.0 / 10_000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(freqs[:11], base[:11], rtol=1e-6)
+    np.testing.assert_allclose(freqs[23:], base[23:] / 40, rtol=1e-6)
+    assert np.all((freqs[11:23] < base[11:23]) & (freqs[11:23] > base[11:23] / 40))
+
+
+def test_fp8_block_dequantization_follows_128_blocks():
+    rng = np.random.default_rng(2)
+    weight = rng.normal(size=(300, 200)).astype(ml_dtypes.float8_e4m3fn)
+    scale_inv = rng.uniform(0.5, 2, size=(3, 2)).astype(np.float32)
+    got = dequantize_fp8(weight, scale_inv)
+    for i, j in [(0, 0), (127, 127), (128, 0), (299, 199), (200, 130)]:
+        assert got[i, j] == np.float32(weight[i, j]) * scale_inv[i // 128, j // 128]
+
+
+def test_an_fp8_checkpoint_loads_dequantized(tmp_path):
+    source = f"{FIXTURES}/deepseek_yarn"
+    shutil.copy(f"{source}/config.json", tmp_path / "config.json")
+    tensors = load_file(f"{source}/model.safetensors")
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    fp8 = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+    tensors[name] = fp8
+    tensors[name + "_scale_inv"] = np.array([[0.5]], np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg, params = load_checkpoint(tmp_path)
+    q_b = params["moe_layers"]["wq_b"][0].reshape(cfg.q_lora_rank, -1)
+    np.testing.assert_array_equal(q_b, fp8.astype(np.float32).T * 0.5)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def test_tags_of_both_scans_are_the_tag_lists():
+    """TINY has 1 dense and 2 MoE layers: a site's run count says which scan it is in."""
+    abstract = common.abstract_params(deepseek.param_specs(TINY))
+    toks = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    for path in deepseek.EXPERT_PATHS:
+        found = tagged_values(lambda p, t: deepseek.forward(p, t, TINY, expert_path=path),
+                              abstract, toks)
+        for count, tags in [(1, policies.DEEPSEEK_DENSE_TAGS), (2, policies.DEEPSEEK_MOE_TAGS)]:
+            sites = [s for sites in found.values() for s in sites if s.count == count]
+            assert sorted(s.tag for s in sites) == sorted(tags)  # each tag exactly once
