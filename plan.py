@@ -6,9 +6,9 @@ Nothing is allocated or compiled: the step is traced and exported for a GPU from
 ShapeDtypeStructs sharded over an abstract mesh, so a laptop plans the 128-GPU run.
 """
 
+import dataclasses
 import math
 import os
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import training
 from configs import RunConfig
-from model import common, llama
+from model import common
 from offload import memory, placement, policies, trace
 
 GiB, MiB = 2**30, 2**20
@@ -31,10 +31,14 @@ def _size(n: int) -> str:
 
 
 class Program:
-    """One step of (model, run, table) on a mesh of this shape, as abstract values."""
+    """One step of (model, run, tables) on a mesh of this shape, as abstract values. MoE
+    experts are planned as the GPU computes them (grouped GEMMs)."""
 
-    def __init__(self, model, run: RunConfig, table: dict | None, mesh_shape: tuple[int, int]):
-        self.model, self.run, self.table = model, run, table
+    def __init__(self, model, run: RunConfig, tables: dict | None,
+                 mesh_shape: tuple[int, int]):
+        if run.expert_path == "auto":
+            run = dataclasses.replace(run, expert_path="sorted")
+        self.model, self.run, self.tables = model, run, tables
         self.devices = math.prod(mesh_shape)
         mesh = AbstractMesh(mesh_shape, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
         self.fsdp = mesh_shape[1]
@@ -43,72 +47,82 @@ class Program:
         self.state = training.abstract_state(model, run, self.rules, self.optimizer)
         self.batch = training.abstract_batch(run, self.rules, self.devices)
         # One device's share of the work, unsharded: its activations are what it stores.
-        self.specs = llama.param_specs(model)
+        self.specs = training.family(model).param_specs(model)
         self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
         self.local_batch = jax.ShapeDtypeStruct(
             (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
 
-    def local_loss(self, table: dict | None):
-        policy = None if table is None else policies.checkpoint_policy(table)
-        return partial(training.loss_fn, model=self.model, policy=policy, rules=None,
-                       dtype=jnp.dtype(self.run.compute_dtype))
+    def local_loss(self, tables: dict | None):
+        loss = training.make_loss(self.model, self.run, tables, rules=None)
+        return lambda params, batch: loss(params, batch)[0]
 
     def tag_lines(self) -> list[memory.TagLine]:
-        """Every tag: per-device per-layer value, placement asked, whether the backward pass
-        needs it, and whether the exported GPU program offloads it."""
+        """Every tag of every layer scan: per-device per-layer value, placement asked, whether
+        the backward pass needs it, and whether the exported GPU program offloads it."""
         tagged = trace.tagged_values(self.local_loss(None), self.local_params, self.local_batch)
-        everything = {tag: "offload" for tag in tagged}
+        sites = [site for sites in tagged.values() for site in sites]
+        everything = {scan: {tag: "offload" for tag in tags}
+                      for scan, tags in training.scan_tags(self.model).items()}
         needed = trace.offloaded_tags(jax.grad(self.local_loss(everything)),
                                       self.local_params, self.local_batch)
-        step = training.make_step(self.model, self.run, self.table, self.rules, self.optimizer)
+        needed = {(s.scan, s.tag) for found in needed.values() for s in found}
+        step = training.make_step(self.model, self.run, self.tables, self.rules, self.optimizer)
         offloaded = placement.verify_offloads(step, self.state, self.batch)
-        table = self.table or {}
-        return [memory.TagLine(sites[0], table.get(tag, "remat"), tag in needed,
-                               tag in offloaded) for tag, sites in tagged.items()]
+        tables, scans = self.tables or {}, training.family(self.model).SCANS
+        return [memory.TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"),
+                               (s.scan, s.tag) in needed, (s.scan, s.tag) in offloaded)
+                for s in sorted(sites, key=lambda s: scans.index(s.scan))]
 
     def memory_plan(self, capacity: int) -> memory.MemoryPlan:
-        residuals = trace.saved_residuals(self.local_loss(self.table), self.local_params,
+        residuals = trace.saved_residuals(self.local_loss(self.tables), self.local_params,
                                           self.local_batch)
         shapes = {leaf.shape for leaf in jax.tree.leaves(self.local_params)}
-        layer = {k: common.ParamSpec(v.shape[1:], v.axes[1:], v.std)
-                 for k, v in self.specs["layers"].items()}
-        weights_per_layer = common.param_count(layer)
+        scans = training.family(self.model).SCANS
+        weights_per_layer = max(  # the widest layer's
+            common.param_count(self.specs[scan]) // max(self.specs[scan][k].shape[0]
+                                                        for k in self.specs[scan])
+            for scan in scans if self.specs[scan])
         return memory.MemoryPlan(
             params=memory.per_device_bytes(self.state["params"]),
             grads=memory.per_device_bytes(self.state["params"]),
             optimizer=memory.per_device_bytes(self.state["opt_state"]),
             tags=self.tag_lines(),
             residuals=memory.per_device_residuals(residuals, shapes, self.fsdp),
-            layers=self.model.n_layers,
+            layers=tuple(next(iter(self.specs[scan].values())).shape[0] for scan in scans),
             layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
             layer_grads=weights_per_layer * jnp.dtype(self.run.param_dtype).itemsize,
             capacity=capacity)
 
 
 def placement_lines(lines: list[memory.TagLine]) -> list[str]:
-    """The placement list: one line per tag, and the offloaded total per layer."""
-    out = [f"{'tag':<20}{'per layer, per device':<26}{'bytes':>9}  {'asked':<8} "
+    """The placement list: one line per tag (per layer scan), and the offloaded totals."""
+    out = [f"{'scan':<13}{'tag':<20}{'per layer, per device':<26}{'bytes':>9}  {'asked':<8} "
            "exported GPU program"]
     for line in lines:
         v = line.value
         shape = "x".join(map(str, v.shape)) + f" {jnp.dtype(v.dtype).name}"
-        if not line.needed:
-            verdict = "nothing to place: the backward pass never reads it"
-        elif line.offloaded:
-            verdict = "pinned_host, back to device for the backward pass"
-        else:
-            verdict = "stays on device" if line.placement == "device" else (
-                "recomputed" if line.placement == "remat" else "NOT OFFLOADED")
-            if v.tag == policies.LAYER_INPUT:
-                verdict = "kept on device: a checkpointed layer always keeps its input"
-        out.append(f"{v.tag:<20}{shape:<26}{_size(v.nbytes):>9}  {line.placement:<8} {verdict}")
-    moved = [line.value for line in lines if line.offloaded]
-    if moved:
-        per_layer = sum(v.nbytes for v in moved)
-        out.append(f"offloaded: {' + '.join(f'{v.tag} {_size(v.nbytes)}' for v in moved)} = "
-                   f"{_size(per_layer)} per layer; x {moved[0].count} layers = "
-                   f"{_size(per_layer * moved[0].count)} in host memory")
+        out.append(f"{v.scan:<13}{v.tag:<20}{shape:<26}{_size(v.nbytes):>9}  "
+                   f"{line.placement:<8} {_verdict(line)}")
+    for scan in dict.fromkeys(line.value.scan for line in lines):
+        moved = [line.value for line in lines if line.offloaded and line.value.scan == scan]
+        if moved:
+            per_layer = sum(v.nbytes for v in moved)
+            out.append(f"offloaded ({scan}): "
+                       f"{' + '.join(f'{v.tag} {_size(v.nbytes)}' for v in moved)} = "
+                       f"{_size(per_layer)} per layer; x {moved[0].count} layers = "
+                       f"{_size(per_layer * moved[0].count)} in host memory")
     return out
+
+
+def _verdict(line: memory.TagLine) -> str:
+    if not line.needed:
+        return "nothing to place: the backward pass never reads it"
+    if line.offloaded:
+        return "pinned_host, back to device for the backward pass"
+    if line.value.tag == policies.LAYER_INPUT:
+        return "kept on device: a checkpointed layer always keeps its input"
+    return {"device": "stays on device", "remat": "recomputed"}.get(line.placement,
+                                                                    "NOT OFFLOADED")
 
 
 def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
@@ -123,14 +137,14 @@ def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
 
 def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
     device = [r for r in plan.residuals if not r.on_host]
-    stacked = sum(r.nbytes for r in device if r.shape[:1] == (plan.layers,))
+    stacked = sum(r.nbytes for r in device if r.shape[:1] and r.shape[0] in plan.layers)
     rows = [
         ("parameters", plan.params, "fp32 master weights, FSDP shard"),
         ("gradients", plan.grads, "same sharding as the parameters"),
         ("optimizer state", plan.optimizer, "AdamW moments, same sharding"),
         ("activations on device", plan.device_activations,
-         f"{_size(stacked)} stacked over the {plan.layers} layers (layer inputs and tags kept "
-         f"on device), the rest after the last layer (final norm, logits)"),
+         f"{_size(stacked)} stacked over the {' + '.join(map(str, plan.layers))} layers "
+         "(layer inputs, tags kept on device), the rest after the last layer (norm, logits)"),
         ("one layer's backward", plan.layer_working_set,
          "its tagged values, its gathered weights x2, its unreduced gradients"),
     ]

@@ -12,8 +12,9 @@ from pathlib import Path
 import jax
 
 import plan
-from model import common, llama
-from offload import policies
+import training
+from model import common
+from model.config import LlamaConfig
 
 GiB = 2**30
 
@@ -23,15 +24,22 @@ def _fmt_bytes(n: float | None) -> str:
 
 
 def _model_line(cfg) -> str:
-    count = common.param_count(llama.param_specs(cfg))
-    return (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
-            f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}: {count:,} parameters")
+    count = common.param_count(training.family(cfg).param_specs(cfg))
+    if isinstance(cfg, LlamaConfig):
+        shape = (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
+                 f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}")
+    else:
+        shape = (f"L={cfg.n_dense_layers}+{cfg.n_moe_layers} D={cfg.d_model} N={cfg.n_heads} "
+                 f"E={cfg.n_experts} (k={cfg.experts_per_token}) F={cfg.d_ff}/{cfg.moe_d_ff} "
+                 f"V={cfg.vocab}")
+    return f"{shape}: {count:,} parameters"
 
 
-def _policy_line(table: dict | None) -> str:
-    if table is None:
+def _policy_line(tables: dict | None) -> str:
+    if tables is None:
         return "none: no checkpointing, autodiff keeps every residual on device"
-    return " ".join(f"{tag}={table.get(tag, 'remat')}" for tag in policies.LLAMA_TAGS)
+    return "; ".join(f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
+                     for scan, table in tables.items()) + "; all else remat"
 
 
 def _new_run_dir(root: str, name: str) -> Path:
@@ -66,7 +74,7 @@ class RunLog:
             (self.dir / "config.json").write_text(json.dumps({
                 "experiment": setup.experiment.name, "scale": setup.scale,
                 "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
-                "policy": setup.table}, indent=2, default=str))
+                "policy": setup.tables}, indent=2, default=str))
             self.metrics = open(self.dir / "metrics.jsonl", "a")
         self._print_header(mesh, batch_size, compile_s)
         full = setup.experiment
@@ -104,10 +112,10 @@ class RunLog:
                       f"({batch_size / self.devices:g} per device)"),
             ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                        "softmax, norms and loss float32"),
-            ("policy", f"{run.policy}: {_policy_line(s.table)}" + (
+            ("policy", f"{run.policy}: {_policy_line(s.tables)}" + (
                 "\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
-                "CPU lowering drops placement annotations)"
-                if backend != "gpu" and "offload" in (s.table or {}).values() else "")),
+                "CPU lowering drops placement annotations)" if backend != "gpu" and any(
+                    "offload" in t.values() for t in (s.tables or {}).values()) else "")),
             ("xla flags", f"{flags} [{applied}]"),
             ("data", data),
             ("compile", f"{compile_s:.1f} s; model {self.flops / 1e12:,.2f} TFLOP per device "

@@ -1,4 +1,4 @@
-"""Train a Llama decoder with a per-tensor activation placement policy.
+"""Train a Llama or DeepSeek-V3 decoder with a per-tensor activation placement policy.
 
     python train.py EXPERIMENT [key=value ...]     run an experiment (see --list)
     python train.py EXPERIMENT --plan [key=value ...]   its full-scale memory plan
@@ -24,7 +24,6 @@ from configs import ConfigError
 from data import DataError, token_source
 from model import common, llama
 from model.checkpoint import CheckpointError
-from model.config import LlamaConfig
 from model.hf import load_checkpoint
 from offload import memory, policies
 
@@ -37,7 +36,7 @@ class Setup:
     scale_reason: str
     model: llama.LlamaConfig
     run: configs.RunConfig
-    table: dict | None  # placement table; None when checkpointing is off
+    tables: dict | None  # scan -> placement table; None when checkpointing is off
     data: object
     hf_params: dict | None
 
@@ -80,23 +79,24 @@ def resolve(name: str, args: list[str]) -> Setup:
             raise ConfigError("model.* overrides conflict with init_from (the checkpoint's "
                               "config.json defines the model)")
         model, hf_params = load_checkpoint(run.init_from)
-        if not isinstance(model, LlamaConfig):
-            raise ConfigError(f"init_from={run.init_from}: a {type(model).__name__} checkpoint; "
-                              "this trainer runs Llama experiments")
+        if type(model) is not type(experiment.model):
+            raise ConfigError(f"init_from={run.init_from}: a {type(model).__name__} checkpoint, "
+                              f"but {experiment.name} trains a {type(experiment.model).__name__}")
     if found := configs.problems(model, run, jax.device_count()):
         raise ConfigError("; ".join(found))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed)
-    return Setup(experiment, scale, why, model, run, placement_table(run), data, hf_params)
+    return Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
+                 hf_params)
 
 
-def placement_table(run: configs.RunConfig) -> dict | None:
-    """The run's placement table; None when checkpointing is off."""
+def placement_tables(model, run: configs.RunConfig) -> dict | None:
+    """The run's placement table per layer scan; None when checkpointing is off."""
     if run.policy == policies.NO_CHECKPOINT:
         if run.placements:
             raise ConfigError("policy.<tag> overrides need a policy preset, not policy=none")
         return None
     try:
-        return policies.placement_table(run.policy, run.placements)
+        return policies.placement_tables(run.policy, run.placements, training.scan_tags(model))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -105,7 +105,7 @@ def init_state(setup: Setup, rules: common.AxisRules, optimizer):
     """Parameters and optimizer state, created sharded (FSDP) on the mesh."""
     shardings = jax.tree.map(lambda a: a.sharding,
                              training.abstract_state(setup.model, setup.run, rules, optimizer))
-    specs = llama.param_specs(setup.model)
+    specs = training.family(setup.model).param_specs(setup.model)
     dtype = jnp.dtype(setup.run.param_dtype)
     if setup.hf_params is None:
         params = common.init_params(specs, rules, jax.random.key(setup.run.seed), dtype)
@@ -131,10 +131,10 @@ def global_batch(setup: Setup, step: int, sharding, batch_size: int):
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
-def full_scale_plan(experiment: configs.Experiment, table: dict | None) -> memory.MemoryPlan:
-    """The experiment's full-scale memory plan and placement list under this run's table."""
+def full_scale_plan(experiment: configs.Experiment, tables: dict | None) -> memory.MemoryPlan:
+    """The experiment's full-scale memory plan and placement list under this run's tables."""
     run = experiment.run
-    return plan.Program(experiment.model, run, table, (run.mesh.data, run.mesh.fsdp)).memory_plan(
+    return plan.Program(experiment.model, run, tables, (run.mesh.data, run.mesh.fsdp)).memory_plan(
         configs.DEVICE_MEMORY_GB[run.device] * 10**9)
 
 
@@ -142,8 +142,8 @@ def train(setup: Setup) -> dict | None:
     """Run the experiment; its summary, or None when the loss stopped being finite."""
     run, n_devices = setup.run, jax.device_count()
     data_axis, fsdp_axis = run.mesh.shape(n_devices)
-    full_plan = full_scale_plan(setup.experiment, setup.table)
-    run_tags = plan.Program(setup.model, run, setup.table, (data_axis, fsdp_axis)).tag_lines()
+    full_plan = full_scale_plan(setup.experiment, setup.tables)
+    run_tags = plan.Program(setup.model, run, setup.tables, (data_axis, fsdp_axis)).tag_lines()
     mesh = common.make_mesh((data_axis, fsdp_axis), ("data", "fsdp"))
     rules = common.AxisRules(mesh=mesh)
     batch_size = run.batch(n_devices)
@@ -152,10 +152,11 @@ def train(setup: Setup) -> dict | None:
     state = init_state(setup, rules, optimizer)
     batch = global_batch(setup, 0, batch_sharding, batch_size)
     started = time.perf_counter()
-    step = training.make_step(setup.model, run, setup.table, rules, optimizer)
+    step = training.make_step(setup.model, run, setup.tables, rules, optimizer)
     step = compile_step(step, state, batch)
     compile_s = time.perf_counter() - started
-    flops = llama.training_flops(setup.model, batch_size / n_devices, run.seq)
+    flops = training.family(setup.model).training_flops(setup.model, batch_size / n_devices,
+                                                        run.seq)
     log = report.RunLog(setup, mesh, batch_size, flops, compile_s, step, full_plan, run_tags)
     pending = None  # (step, metrics) dispatched, not yet read: read it after the next dispatch
     for i in range(1, run.steps + 1):
@@ -180,7 +181,8 @@ def print_plan(name: str, args: list[str]) -> None:
         raise ConfigError("; ".join(found))
     started = time.perf_counter()
     full = dataclasses.replace(experiment, model=model, run=run)
-    print("\n".join(plan.plan_lines(full.name, run, full_scale_plan(full, placement_table(run)))))
+    memory_plan = full_scale_plan(full, placement_tables(model, run))
+    print("\n".join(plan.plan_lines(full.name, run, memory_plan)))
     print(f"(planned in {time.perf_counter() - started:.1f} s from abstract values: nothing "
           "allocated; offloads read from the step exported for a GPU)")
 

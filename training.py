@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from configs import OptimizerConfig, RunConfig
-from model import common, llama
+from model import common, deepseek, llama
+from model.config import DeepSeekConfig, LlamaConfig
 from offload import policies
 
 
@@ -24,26 +25,60 @@ def cross_entropy(logits, targets):
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits)
 
 
-def loss_fn(params, batch, *, model, policy, rules, dtype):
-    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1."""
-    logits = llama.forward(params, batch[:, :-1], model, policy=policy, rules=rules, dtype=dtype)
-    return cross_entropy(logits, batch[:, 1:])
+FAMILIES = {LlamaConfig: llama, DeepSeekConfig: deepseek}
 
 
-def train_step(state, batch, *, loss, optimizer):
-    value, grads = jax.value_and_grad(loss)(state["params"], batch)
+def family(model):
+    """The model module (param_specs, forward, training_flops, SCANS) of a model config."""
+    return FAMILIES[type(model)]
+
+
+def scan_tags(model) -> dict[str, tuple[str, ...]]:
+    return policies.SCAN_TAGS[family(model).__name__.rpartition(".")[2]]
+
+
+def loss_fn(params, batch, *, model, policies, rules, dtype, balance_weight=0.0, **options):
+    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1. (loss, aux): aux holds the
+    cross-entropy and, for MoE models, the expert loads and the balance term."""
+    logits, stats = family(model).forward(params, batch[:, :-1], model, policies=policies,
+                                          rules=rules, dtype=dtype, **options)
+    loss = cross_entropy(logits, batch[:, 1:])
+    aux = {"cross_entropy": loss, **stats}
+    if "balance_loss" in stats:
+        loss = loss + balance_weight * stats["balance_loss"].sum()
+    return loss, aux
+
+
+def update_router_bias(params, expert_load, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing: after each step, every expert's selection
+    bias moves by `rate` towards balance (up if it got fewer tokens than the mean, down if
+    more). It is not a gradient step: the bias never receives a gradient."""
+    load = expert_load.astype(jnp.float32)
+    step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
+    moe = params["moe_layers"]
+    return {**params, "moe_layers": {**moe, "router_bias": moe["router_bias"] + step}}
+
+
+def train_step(state, batch, *, loss, optimizer, router_bias_rate=0.0):
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
+    metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
+    if "expert_load" in aux:
+        params = update_router_bias(params, aux["expert_load"], router_bias_rate)
+        load = aux["expert_load"].astype(jnp.float32)
+        metrics["expert_load_max_over_mean"] = (load.max(-1) / load.mean(-1)).max()
+        metrics["balance_loss"] = aux["balance_loss"].mean()
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
 def make_optimizer(cfg: OptimizerConfig, steps: int):
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
-    # No weight decay on norm weights, the usual choice for RMSNorm gains.
-    decay = partial(jax.tree_util.tree_map_with_path,
-                    lambda path, _: not str(path[-1].key).endswith("norm"))
+    # No weight decay on norm weights (the usual choice for RMSNorm gains), nor on the router
+    # bias, which has no gradient (Adam then moves it by exactly zero) and its own update rule.
+    decay = partial(jax.tree_util.tree_map_with_path, lambda path, _: not str(
+        path[-1].key).endswith(("norm", "router_bias")))
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                        optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay,
                                    mask=decay))
@@ -51,7 +86,7 @@ def make_optimizer(cfg: OptimizerConfig, steps: int):
 
 def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
     """The train state as sharded ShapeDtypeStructs: what init_state makes, without making it."""
-    specs = llama.param_specs(model)
+    specs = family(model).param_specs(model)
     params = common.abstract_params(specs, jnp.dtype(run.param_dtype))
     param_shardings = common.param_shardings(specs, rules)
     replicated = rules.sharding(())
@@ -77,11 +112,27 @@ def gpu_compiler_options(flags: dict[str, str]) -> dict:
     return {k: typed(v) for k, v in flags.items()}
 
 
-def make_step(model, run: RunConfig, table: dict | None, rules, optimizer):
+def forward_options(model, run: RunConfig) -> dict:
+    """Family-specific forward arguments: for MoE models, how routed experts are computed
+    (grouped GEMMs on accelerators; every expert densely on CPUs, where ragged_dot is slow)."""
+    if not isinstance(model, DeepSeekConfig):
+        return {}
+    path = run.expert_path
+    if path == "auto":
+        path = "dense" if jax.default_backend() == "cpu" else "sorted"
+    return {"expert_path": path}
+
+
+def make_loss(model, run: RunConfig, tables: dict | None, rules):
+    return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
+                   rules=rules, dtype=jnp.dtype(run.compute_dtype),
+                   balance_weight=run.balance_loss_weight, **forward_options(model, run))
+
+
+def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer):
     """The jitted train step (state donated); XLA flags go in only on a GPU backend."""
-    policy = None if table is None else policies.checkpoint_policy(table)
-    loss = partial(loss_fn, model=model, policy=policy, rules=rules,
-                   dtype=jnp.dtype(run.compute_dtype))
     on_gpu = jax.default_backend() == "gpu"
-    return jax.jit(partial(train_step, loss=loss, optimizer=optimizer), donate_argnums=0,
+    step = partial(train_step, loss=make_loss(model, run, tables, rules), optimizer=optimizer,
+                   router_bias_rate=run.router_bias_rate)
+    return jax.jit(step, donate_argnums=0,
                    compiler_options=gpu_compiler_options(run.xla_flags) if on_gpu else None)

@@ -45,15 +45,14 @@ def matmul_ceiling(n: int = 2048, repeats: int = 10) -> float:
 
 
 def step_time(model, run, policy_name: str, repeats: int) -> float:
-    table = None if policy_name == policies.NO_CHECKPOINT else policies.PRESETS[policy_name]
-    policy = None if table is None else policies.checkpoint_policy(table)
+    tables = None if policy_name == policies.NO_CHECKPOINT else policies.placement_tables(
+        policy_name, {}, training.scan_tags(model))
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     params = common.init_params(llama.param_specs(model), common.AxisRules(mesh=mesh),
                                 jax.random.key(0))
     optimizer = training.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(training.loss_fn, model=model, policy=policy, rules=None,
-                   dtype=jnp.dtype(run.compute_dtype))
+    loss = training.make_loss(model, run, tables, rules=None)
     step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer), donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
     holder = [state]

@@ -38,11 +38,16 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
                             d_model=128, n_layers=3, n_heads=4, head_dim=32, d_ff=416)
 
 
-def value_and_grad_fn(model, table, dtype, flags):
-    policy = None if table is None else policies.checkpoint_policy(table)
-    loss = partial(training.loss_fn, model=model, policy=policy, rules=None, dtype=dtype)
+def value_and_grad_fn(model, tables, dtype, flags):
+    loss = partial(training.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
+                   rules=None, dtype=dtype)
     options = training.gpu_compiler_options(flags) if jax.default_backend() == "gpu" else None
-    return jax.jit(jax.value_and_grad(loss), compiler_options=options)
+    return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]), compiler_options=options)
+
+
+def row_tables(name: str):
+    return policies.placement_tables(configs.get(name).run.policy, {},
+                                     policies.SCAN_TAGS["llama"])
 
 
 def random_params(model, dtype):
@@ -63,8 +68,7 @@ def check_gradients(smoke: bool) -> list[dict]:
         results = []
         for name in ROWS:
             run = configs.get(name).run
-            table = policies.placement_table(run.policy)
-            loss, grads = value_and_grad_fn(model, table, jnp.float32, run.xla_flags)(
+            loss, grads = value_and_grad_fn(model, row_tables(name), jnp.float32, run.xla_flags)(
                 params, batch)
             scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
             error = max(float(jnp.abs(a - b).max()) for a, b in
@@ -83,7 +87,7 @@ def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
     dtype = jnp.float32 if smoke else jnp.bfloat16
     params = random_params(model, dtype)
     batch = jax.random.randint(jax.random.key(1), (batch_size, seq + 1), 0, model.vocab)
-    fn = value_and_grad_fn(model, policies.placement_table(run.policy), dtype, run.xla_flags)
+    fn = value_and_grad_fn(model, row_tables(name), dtype, run.xla_flags)
     started = time.perf_counter()
     compiled = fn.lower(params, batch).compile()
     compile_s = time.perf_counter() - started

@@ -10,7 +10,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from model.config import LlamaConfig
+from model.config import DeepSeekConfig, LlamaConfig
+
+ModelConfig = LlamaConfig | DeepSeekConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
@@ -69,6 +71,10 @@ class RunConfig:
     out_dir: str = "runs"
     profile: bool = False
     device: str = "gb200"  # the GPU the memory plan measures against (DEVICE_MEMORY_GB)
+    # MoE models only:
+    expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
+    router_bias_rate: float = 0.001  # aux-loss-free balancing step (DeepSeek-V3's gamma)
+    balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3: 0.0001)
 
     def batch(self, n_devices: int) -> int:
         return self.global_batch or self.per_device_batch * n_devices
@@ -78,12 +84,12 @@ class RunConfig:
 class Experiment:
     name: str
     summary: str
-    model: LlamaConfig
-    proxy_model: LlamaConfig
+    model: ModelConfig
+    proxy_model: ModelConfig
     run: RunConfig
     proxy_run: Mapping[str, Any]  # RunConfig fields that change at proxy scale
 
-    def at_scale(self, scale: str) -> tuple[LlamaConfig, RunConfig]:
+    def at_scale(self, scale: str) -> tuple[ModelConfig, RunConfig]:
         if scale == "full":
             return self.model, self.run
         return self.proxy_model, dataclasses.replace(self.run, **self.proxy_run)
@@ -157,25 +163,26 @@ def _set(obj, path: list[str], text: str, full_key: str):
     return dataclasses.replace(obj, **{name: _coerce(full_key, text, kind)})
 
 
-def apply_overrides(model: LlamaConfig, run: RunConfig, overrides: Mapping[str, str]):
+def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, str]):
     """`model.<field>=...` sets the architecture, `policy.<tag>=...` one placement, and any
     other dotted key a run field. Every value is typed by the field it sets."""
     for key, text in overrides.items():
         path = key.split(".")
         if path[0] == "model" and len(path) > 1:
             model = _set(model, path[1:], text, key)
-        elif path[0] == "policy" and len(path) == 2:
-            run = _set(run, ["placements", path[1]], text, key)
+        elif path[0] == "policy" and len(path) in (2, 3):  # policy.<tag>, policy.<scan>.<tag>
+            run = _set(run, ["placements", ".".join(path[1:])], text, key)
         else:
             run = _set(run, path, text, key)
     return model, run
 
 
-def problems(model: LlamaConfig, run: RunConfig, n_devices: int) -> list[str]:
+def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     """Every impossible combination for this many devices, one line each."""
     found = list(model.problems())
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": QUANTS, "device": tuple(DEVICE_MEMORY_GB)}
+               "quant": QUANTS, "device": tuple(DEVICE_MEMORY_GB),
+               "expert_path": ("auto", "sorted", "dense")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
     if run.data.dtype not in ("uint16", "uint32"):

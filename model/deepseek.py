@@ -119,8 +119,8 @@ def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None):
 
 def route(x, router, bias, cfg: DeepSeekConfig):
     """HF's DeepSeek-V3 router on tokens x [S, D] (fp32 throughout): (weights [S, k] fp32,
-    experts [S, k] int32). Sigmoid scores; the bias only steers selection; groups score by the
-    sum of their two best; weights come from the unbiased scores."""
+    experts [S, k] int32, scores [S, E]). Sigmoid scores; the bias only steers selection;
+    groups score by the sum of their two best; weights come from the unbiased scores."""
     scores = jax.nn.sigmoid(jnp.einsum("sd,de->se", x.astype(jnp.float32),
                                        router.astype(jnp.float32)))
     choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
@@ -133,7 +133,17 @@ def route(x, router, bias, cfg: DeepSeekConfig):
     weights = jnp.take_along_axis(scores, experts, axis=-1)  # [S, k]
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling, experts
+    return weights * cfg.routed_scaling, experts, scores
+
+
+def balance_loss(scores, experts, batch: int, n_experts: int):
+    """DeepSeek-V3's sequence-wise balance term, sum_e f_e P_e averaged over sequences: f_e is
+    expert e's share of the sequence's routed slots (times E), P_e its mean normalised score."""
+    scores = scores.reshape(batch, -1, n_experts)
+    chosen = jax.nn.one_hot(experts, n_experts, dtype=scores.dtype).sum(axis=1)
+    f = chosen.reshape(batch, -1, n_experts).mean(axis=1) * n_experts / experts.shape[1]
+    p = (scores / scores.sum(axis=-1, keepdims=True)).mean(axis=1)
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
 
 
 def experts_dense(x, weights, experts, w, n_experts: int):
@@ -168,13 +178,15 @@ EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
 
 
 def moe(x, w, cfg: DeepSeekConfig, expert_path: str):
-    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E]."""
+    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E] and
+    the balance term."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
-    weights, experts = route(tokens, w["router"], w["router_bias"], cfg)
+    weights, experts, scores = route(tokens, w["router"], w["router_bias"], cfg)
     routed = EXPERT_PATHS[expert_path](tokens, weights, experts, w, cfg.n_experts)
-    load = jnp.bincount(experts.reshape(-1), length=cfg.n_experts)
-    return routed.reshape(B, T, D) + swiglu(x, w), load
+    stats = {"expert_load": jnp.bincount(experts.reshape(-1), length=cfg.n_experts),
+             "balance_loss": balance_loss(scores, experts, B, cfg.n_experts)}
+    return routed.reshape(B, T, D) + swiglu(x, w), stats
 
 
 def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None):
@@ -188,14 +200,14 @@ def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None):
 
 
 def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted"):
-    """A MoE layer: (x', expert token counts [E])."""
+    """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar})."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         x = x + mla(rms_norm(x, w["attn_norm"], cfg.norm_eps), w, cfg, cos, sin, rules)
         x = constrain(x, rules, ("batch", "seq", None))
     with jax.named_scope("moe"):
-        out, load = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path)
-        return constrain(x + out, rules, ("batch", "seq", None)), load
+        out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path)
+        return constrain(x + out, rules, ("batch", "seq", None)), stats
 
 
 def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
@@ -207,11 +219,15 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
     return rope_tables(seq_len, freqs, dtype, yarn_attention_factor(yarn))
 
 
-def forward(params, tokens, cfg: DeepSeekConfig, *, policies=(None, None), rules=None,
-            dtype=jnp.bfloat16, expert_path="sorted"):
-    """tokens [B, T] -> (logits [B, T, V] fp32, tokens per expert [L_moe, E]).
+SCANS = ("dense_layers", "moe_layers")  # parameter subtrees and named_scopes of the scans
 
-    `policies` are the `jax.checkpoint` policies of the dense and the MoE layer scans.
+
+def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
+            dtype=jnp.bfloat16, expert_path="sorted"):
+    """tokens [B, T] -> (logits [B, T, V] fp32, per MoE layer {"expert_load": tokens per
+    expert [L_moe, E], "balance_loss": [L_moe]}).
+
+    `policies` maps a scan (SCANS) to the `jax.checkpoint` policy of each of its layers.
     """
     cos, sin = rope_for(cfg, tokens.shape[1], dtype)
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
@@ -225,18 +241,42 @@ def forward(params, tokens, cfg: DeepSeekConfig, *, policies=(None, None), rules
         w = {k: a if k.startswith("router") else a.astype(dtype) for k, a in w.items()}
         return moe_block(x, w, cfg, cos, sin, rules, expert_path)
 
-    dense_policy, moe_policy = policies
-    if dense_policy is not None:
-        dense_layer = jax.checkpoint(dense_layer, policy=dense_policy, prevent_cse=False)
-    if moe_policy is not None:
-        moe_layer = jax.checkpoint(moe_layer, policy=moe_policy, prevent_cse=False)
-    x, _ = jax.lax.scan(dense_layer, x, params["dense_layers"])
-    x, load = jax.lax.scan(moe_layer, x, params["moe_layers"])
+    policies = policies or {}
+    if policies.get("dense_layers") is not None:
+        dense_layer = jax.checkpoint(dense_layer, policy=policies["dense_layers"],
+                                     prevent_cse=False)
+    if policies.get("moe_layers") is not None:
+        moe_layer = jax.checkpoint(moe_layer, policy=policies["moe_layers"], prevent_cse=False)
+    with jax.named_scope("dense_layers"):
+        x, _ = jax.lax.scan(dense_layer, x, params["dense_layers"])
+    with jax.named_scope("moe_layers"):
+        x, stats = jax.lax.scan(moe_layer, x, params["moe_layers"])
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     batch, seq, width = x.shape
     logits = jnp.dot(x.reshape(batch * seq, width), params["lm_head"].astype(dtype),
                      preferred_element_type=jnp.float32)
-    return logits.reshape(batch, seq, cfg.vocab), load
+    return logits.reshape(batch, seq, cfg.vocab), stats
+
+
+def _matmul_weights_per_token(cfg: DeepSeekConfig) -> float:
+    """Matmul weights one token multiplies by: every dense one, k of the E routed experts."""
+    specs = param_specs(cfg)
+    count = 0.0
+    for scan in SCANS:
+        for name, spec in specs[scan].items():
+            if len(spec.shape) > 2:  # stacked matrices; norms and the router bias are [L, n]
+                share = cfg.experts_per_token / cfg.n_experts if name.startswith("we_") else 1
+                count += share * math.prod(spec.shape)
+    return count + math.prod(specs["lm_head"].shape)
+
+
+def training_flops(cfg: DeepSeekConfig, batch: float, seq: int) -> float:
+    """Model FLOPs of one training step, MaxText's definition: 6 per matmul weight a token uses
+    (dropless: k experts + shared + router), the embedding lookup free, causal attention at
+    half the square: 3 x B T^2 N (d_qk + d_v) per layer."""
+    attention = 3 * cfg.n_layers * batch * seq**2 * cfg.n_heads * (
+        cfg.qk_nope_dim + cfg.qk_rope_dim + cfg.v_head_dim)
+    return 6 * batch * seq * _matmul_weights_per_token(cfg) + attention
 
 
 def active_params_per_token(cfg: DeepSeekConfig) -> int:

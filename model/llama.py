@@ -57,12 +57,16 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None):
         return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
 
 
-def forward(params, tokens, cfg: LlamaConfig, *, policy=None, rules: AxisRules | None = None,
-            dtype=jnp.bfloat16):
-    """tokens [B, T] int -> logits [B, T, V] fp32.
+SCANS = ("layers",)  # the layer scan, named as its parameter subtree and its named_scope
 
-    `policy` is a `jax.checkpoint` policy for each layer; None means no checkpointing (every
-    residual autodiff wants is kept). Weights are cast to `dtype` (the compute dtype) per layer.
+
+def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
+            dtype=jnp.bfloat16):
+    """tokens [B, T] int -> (logits [B, T, V] fp32, {}).
+
+    `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
+    none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
+    `dtype` (the compute dtype) per layer.
     """
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)
@@ -73,16 +77,18 @@ def forward(params, tokens, cfg: LlamaConfig, *, policy=None, rules: AxisRules |
         w = jax.tree.map(lambda a: a.astype(dtype), w)
         return block(x, w, cfg, cos, sin, rules), None
 
+    policy = (policies or {}).get("layers")
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    with jax.named_scope("layers"):
+        x, _ = jax.lax.scan(layer, x, params["layers"])
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     # One 2-D [B*T, D] x [D, V] dot, the same math as "btd,dv->btv": XLA's CPU backend then
     # keeps the backward dots row-major instead of transposing a [V, B*T] copy of dlogits.
     batch, seq, width = x.shape
     logits = jnp.dot(x.reshape(batch * seq, width), params["lm_head"].astype(dtype),
                      preferred_element_type=jnp.float32)
-    return logits.reshape(batch, seq, cfg.vocab)
+    return logits.reshape(batch, seq, cfg.vocab), {}
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:

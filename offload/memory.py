@@ -38,7 +38,7 @@ class MemoryPlan:
     optimizer: int
     tags: list[TagLine]
     residuals: list[Residual]  # per device; arguments (the parameters) excluded
-    layers: int
+    layers: tuple[int, ...]  # the length of each layer scan
     layer_weights: int  # one layer's weights, whole (as all-gathered), in the compute dtype
     layer_grads: int  # one layer's weight gradients, whole, before the reduce-scatter
     capacity: int

@@ -34,8 +34,9 @@ def exported_annotations(fn, *args) -> dict[str, Counter]:
     return found
 
 
-def verify_offloads(fn, *args) -> set[str]:
-    """The tags the exported GPU program offloads to pinned host memory and brings back.
+def verify_offloads(fn, *args) -> set[tuple[str, str]]:
+    """(layer scan, tag) of every value the exported GPU program offloads to pinned host
+    memory and brings back.
 
     The traced program names the tag behind each move to host; the exported module must
     hold exactly those moves (same shapes and dtypes, each out and back), no more, no fewer.
@@ -48,4 +49,4 @@ def verify_offloads(fn, *args) -> set[str]:
             raise PlacementError(
                 f"exported program has {placement} annotations {dict(exported.get(placement, {}))}"
                 f" but the traced program offloads {dict(expected)}")
-    return set(traced)
+    return {(t.scan, t.tag) for sites in traced.values() for t in sites}

@@ -25,8 +25,15 @@ PLACEMENTS = ("device", "offload", "remat")
 # device unless this tag is offloaded. "remat" cannot apply to it.
 LAYER_INPUT = "decoder_layer_input"
 
-# Named tables. "none" is not a table: it turns checkpointing off (autodiff keeps everything).
-PRESETS: dict[str, dict[str, str]] = {
+# Each model family's layer scans (named as their parameter subtrees) and the tags in each.
+SCAN_TAGS = {
+    "llama": {"layers": LLAMA_TAGS},
+    "deepseek": {"dense_layers": DEEPSEEK_DENSE_TAGS, "moe_layers": DEEPSEEK_MOE_TAGS},
+}
+
+# Named tables. A flat table applies to every scan that has the tag; a table of tables is per
+# scan. "none" is not a table: it turns checkpointing off (autodiff keeps everything).
+PRESETS: dict[str, dict] = {
     "remat": {},
     "minimal": {t: "device" for t in ("query_proj", "key_proj", "value_proj", "out_proj",
                                       "mlpwi_0", "mlpwi_1", "mlpwo")},
@@ -37,19 +44,35 @@ PRESETS: dict[str, dict[str, str]] = {
 NO_CHECKPOINT = "none"
 
 
-def placement_table(preset: str, changes: Mapping[str, str] = (), tags=LLAMA_TAGS) -> dict:
-    """The preset's table with `changes` applied, checked against the model's tags."""
+def _place(tables: dict, scans: list[str], tag: str, place: str, where: str) -> None:
+    if place not in PLACEMENTS:
+        raise ValueError(f"{where}={place!r}: placement must be one of {', '.join(PLACEMENTS)}")
+    for scan in scans:
+        tables[scan][tag] = place
+
+
+def placement_tables(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
+    """scan -> {tag: placement}: the preset, then `changes` ("tag" for every scan that has
+    it, "scan.tag" for one), each checked against the model's tags."""
     if preset not in PRESETS:
         raise ValueError(f"unknown policy {preset!r}; choose one of "
                          f"{', '.join([*PRESETS, NO_CHECKPOINT])}")
-    table = {**PRESETS[preset], **dict(changes)}
-    for tag, place in table.items():
-        if tag not in tags:
-            raise ValueError(f"policy.{tag}: the model has no tag {tag!r}; tags: {', '.join(tags)}")
-        if place not in PLACEMENTS:
-            raise ValueError(f"policy.{tag}={place!r}: placement must be one of "
-                             f"{', '.join(PLACEMENTS)}")
-    return table
+    tables = {scan: {} for scan in scan_tags}
+    entries = [(k, v) for k, v in PRESETS[preset].items() if not isinstance(v, dict)]
+    entries += [(f"{scan}.{t}", p) for scan, table in PRESETS[preset].items()
+                if isinstance(table, dict) for t, p in table.items()]
+    for key, place in [*entries, *dict(changes).items()]:
+        scan, _, tag = key.rpartition(".")
+        if scan and scan not in scan_tags:
+            raise ValueError(f"policy.{key}: the model has no layer scan {scan!r}; scans: "
+                             f"{', '.join(scan_tags)}")
+        scans = [scan] if scan else [s for s, tags in scan_tags.items() if tag in tags]
+        if not scans or any(tag not in scan_tags[s] for s in scans):
+            known = sorted({t for tags in scan_tags.values() for t in tags})
+            raise ValueError(f"policy.{key}: the model has no tag {tag!r} there; tags: "
+                             f"{', '.join(known)}")
+        _place(tables, scans, tag, place, f"policy.{key}")
+    return tables
 
 
 def checkpoint_policy(table: Mapping[str, str]):
@@ -58,3 +81,8 @@ def checkpoint_policy(table: Mapping[str, str]):
         names_which_can_be_saved=[t for t, p in table.items() if p == "device"],
         names_which_can_be_offloaded=[t for t, p in table.items() if p == "offload"],
         offload_src="device", offload_dst="pinned_host")
+
+
+def checkpoint_policies(tables: Mapping[str, Mapping[str, str]] | None) -> dict:
+    """scan -> policy; empty (no checkpointing) when there are no tables."""
+    return {scan: checkpoint_policy(t) for scan, t in (tables or {}).items()}

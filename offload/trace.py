@@ -4,6 +4,7 @@ Functions here take a function and (possibly abstract) arguments, never a model.
 """
 
 import dataclasses
+import re
 from collections.abc import Iterator
 
 import jax
@@ -20,6 +21,7 @@ class Tagged:
     shape: tuple[int, ...]
     dtype: np.dtype
     count: int  # the product of the enclosing scans' lengths: the layer count in a layer scan
+    scan: str  # the named scope of the innermost enclosing scan ("" outside any scan)
 
     @property
     def nbytes(self) -> int:
@@ -35,24 +37,36 @@ def _sub_jaxprs(eqn) -> Iterator[jex_core.Jaxpr]:
                 yield value
 
 
-def _walk(jaxpr, count=1) -> Iterator[tuple[jex_core.JaxprEqn, int, dict]]:
-    """Every equation with its run count and the producers of its jaxpr's variables."""
+def _scope(name_stack: str) -> str:
+    """The innermost named scope, without autodiff's wrappers: "jvp(moe_layers)" -> "moe_layers"."""
+    scope = name_stack.split("/")[-1]
+    while (wrapped := re.fullmatch(r"\w+\((.*)\)", scope)) is not None:
+        scope = wrapped.group(1)
+    return scope
+
+
+def _walk(jaxpr, count=1, scan="") -> Iterator[tuple[jex_core.JaxprEqn, int, str, dict]]:
+    """Every equation with its run count, enclosing scan's scope, and the producers of its
+    jaxpr's variables."""
     producers = {}
     for eqn in jaxpr.eqns:
-        yield eqn, count, producers
+        yield eqn, count, scan, producers
         producers.update({v: eqn for v in eqn.outvars})
-        inner = count * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else count
+        inner, inner_scan = count, scan
+        if eqn.primitive.name == "scan":
+            inner *= eqn.params["length"]
+            inner_scan = _scope(str(eqn.source_info.name_stack))
         for sub in _sub_jaxprs(eqn):
-            yield from _walk(sub, inner)
+            yield from _walk(sub, inner, inner_scan)
 
 
 def tagged_values(fn, *args) -> dict[str, list[Tagged]]:
     """tag -> every `checkpoint_name` site with that tag, in trace order."""
     found: dict[str, list[Tagged]] = {}
-    for eqn, count, _ in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
+    for eqn, count, scan, _ in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
         if eqn.primitive.name == "name":
             aval, tag = eqn.invars[0].aval, eqn.params["name"]
-            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count))
+            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
     return found
 
 
@@ -63,7 +77,7 @@ def offloaded_tags(fn, *args) -> dict[str, list[Tagged]]:
     name's equation; differentiate `fn` (e.g. a train step) to see them.
     """
     found: dict[str, list[Tagged]] = {}
-    for eqn, count, producers in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
+    for eqn, count, scan, producers in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
         if eqn.primitive.name != "device_put":
             continue
         if not any("host" in str(d).lower() for d in eqn.params["devices"]):
@@ -71,7 +85,7 @@ def offloaded_tags(fn, *args) -> dict[str, list[Tagged]]:
         source = producers.get(eqn.invars[0])
         if source is not None and source.primitive.name == "name":
             aval, tag = eqn.invars[0].aval, source.params["name"]
-            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count))
+            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
     return found
 
 

@@ -38,7 +38,7 @@ def tokens(batch=2, seq=12, vocab=TINY.vocab, seed=1):
 def test_logits_and_loss_match_hugging_face(name):
     cfg, params = load_checkpoint(f"{FIXTURES}/{name}")
     expected = np.load(f"{FIXTURES}/{name}/expected.npz")
-    logits = np.asarray(llama.forward(params, expected["tokens"], cfg, dtype=jnp.float32))
+    logits = np.asarray(llama.forward(params, expected["tokens"], cfg, dtype=jnp.float32)[0])
     reference = expected["logits"]
     assert np.abs(logits - reference).max() <= 1e-4 * np.abs(reference).max()
     loss = training.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
@@ -54,7 +54,7 @@ def test_scan_equals_unrolled_loop():
         x = llama.block(x, jax.tree.map(lambda w: w[i], params["layers"]), TINY, cos, sin)
     x = common.rms_norm(x, params["final_norm"], TINY.norm_eps)
     unrolled = x @ params["lm_head"]
-    scanned = llama.forward(params, toks, TINY, dtype=jnp.float32)
+    scanned, _ = llama.forward(params, toks, TINY, dtype=jnp.float32)
     np.testing.assert_allclose(scanned, unrolled, rtol=1e-6, atol=1e-6)
 
 
@@ -67,9 +67,10 @@ EVERY_TABLE = {**policies.PRESETS,
 
 @jax.jit(static_argnums=2)
 def loss_and_grads(params, batch, policy):
-    loss = partial(training.loss_fn, batch=batch, model=TINY, policy=policy, rules=None,
+    loss = partial(training.loss_fn, batch=batch, model=TINY, rules=None,
+                   policies={} if policy is None else {"layers": policy},
                    dtype=jnp.float32)
-    return jax.value_and_grad(loss)(params)
+    return jax.value_and_grad(loss, has_aux=True)(params)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,8 @@ def test_causality_by_gradient():
     toks = jax.random.permutation(jax.random.key(3), TINY.vocab)[:seq][None]
 
     def logits_at_t(embed):
-        return llama.forward({**params, "embed": embed}, toks, TINY, dtype=jnp.float32)[0, t].sum()
+        logits, _ = llama.forward({**params, "embed": embed}, toks, TINY, dtype=jnp.float32)
+        return logits[0, t].sum()
 
     grad = np.asarray(jax.grad(logits_at_t)(params["embed"]))
     later, earlier = np.asarray(toks[0, t + 1:]), np.asarray(toks[0, :t + 1])

@@ -26,11 +26,11 @@ def programs(table):
 
 @pytest.mark.parametrize("preset", list(policies.PRESETS))
 def test_the_exported_program_offloads_exactly_the_table(preset):
-    table = policies.placement_table(preset)
-    wanted = {tag for tag, place in table.items() if place == "offload"} - NEVER_NEEDED
-    for scale, program in programs(table):
+    tables = policies.placement_tables(preset, {}, policies.SCAN_TAGS["llama"])
+    wanted = {tag for tag, place in tables["layers"].items() if place == "offload"}
+    for scale, program in programs(tables):
         lines = program.tag_lines()
-        assert {line.value.tag for line in lines if line.offloaded} == wanted, scale
+        assert {line.value.tag for line in lines if line.offloaded} == wanted - NEVER_NEEDED
         assert {line.value.tag for line in lines if not line.needed} == NEVER_NEEDED, scale
 
 
@@ -48,7 +48,7 @@ def test_a_mismatch_between_traced_and_exported_placement_is_caught():
 
 def test_the_study_memory_facts_for_llama405b_offload():
     experiment = configs.get("llama405b-offload")
-    table = policies.placement_table(experiment.run.policy)
+    table = policies.placement_tables(experiment.run.policy, {}, policies.SCAN_TAGS["llama"])
     memory = plan.Program(experiment.model, experiment.run, table, (1, 128)).memory_plan(
         186 * 10**9)
     per_layer = {line.value.tag: line.value.nbytes for line in memory.tags if line.offloaded}
@@ -63,7 +63,7 @@ def test_the_study_memory_facts_for_llama405b_offload():
 
 def test_the_baseline_offloads_nothing_and_stores_nothing_on_host():
     experiment = configs.get("llama405b-baseline")
-    table = policies.placement_table(experiment.run.policy)
+    table = policies.placement_tables(experiment.run.policy, {}, policies.SCAN_TAGS["llama"])
     memory = plan.Program(experiment.model, experiment.run, table, (1, 128)).memory_plan(
         186 * 10**9)
     assert memory.host_activations == 0
@@ -84,7 +84,10 @@ def test_plan_command_rejects_bad_input(capsys):
 
 
 def test_unknown_tags_and_placements_are_errors():
+    llama_scans = policies.SCAN_TAGS["llama"]
     with pytest.raises(ValueError, match="no tag"):
-        policies.placement_table("remat", {"qkv_proj": "offload"})
+        policies.placement_tables("remat", {"qkv_proj": "offload"}, llama_scans)
     with pytest.raises(ValueError, match="placement"):
-        policies.placement_table("remat", {"query_proj": "hbm"})
+        policies.placement_tables("remat", {"query_proj": "hbm"}, llama_scans)
+    with pytest.raises(ValueError, match="no layer scan"):
+        policies.placement_tables("remat", {"moe_layers.query_proj": "offload"}, llama_scans)

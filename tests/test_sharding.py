@@ -21,8 +21,9 @@ def step(params, batch, rules):
     optimizer = training.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = policies.checkpoint_policy(policies.PRESETS["qkv_offload"])
-    loss = partial(training.loss_fn, model=CFG, policy=policy, rules=rules, dtype=jnp.float32)
-    grads = jax.grad(loss)(params, batch)
+    loss = partial(training.loss_fn, model=CFG, policies={"layers": policy}, rules=rules,
+                   dtype=jnp.float32)
+    grads = jax.grad(loss, has_aux=True)(params, batch)
     _, metrics = training.train_step(state, batch, loss=loss, optimizer=optimizer)
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
     # near zero turns a rounding-level difference into one of order lr.

@@ -38,7 +38,7 @@ def test_loss_falls_on_a_repeated_batch():
     optimizer = training.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0), steps=30)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     loss = partial(training.loss_fn, model=cfg, rules=None, dtype=jnp.float32,
-                   policy=policies.checkpoint_policy(policies.PRESETS["qkv_offload"]))
+                   policies={"layers": policies.checkpoint_policy(policies.PRESETS["qkv_offload"])})
     step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer))
     batch = SyntheticTokens(cfg.vocab, seed=0).batch(0, 4, 32)
     losses = []
@@ -159,7 +159,7 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     devices = run.mesh.data * run.mesh.fsdp if scale == "full" else 8
     assert configs.problems(model, run, devices) == []
     if run.policy != policies.NO_CHECKPOINT:
-        policies.placement_table(run.policy, run.placements)
+        policies.placement_tables(run.policy, run.placements, training.scan_tags(model))
 
 
 def test_compare_runs_the_four_rows_into_one_table(tmp_path, capsys):
