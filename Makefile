@@ -37,6 +37,9 @@ bench: $(READY)
 llama%: $(READY)
 	$(PY) train.py $@ $(ARGS)
 
+deepseek%: $(READY)
+	$(PY) train.py $@ $(ARGS)
+
 plan-%: $(READY)
 	$(PY) train.py $* --plan $(ARGS)
 

@@ -23,7 +23,7 @@ def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GiB:.2f} GiB"
 
 
-def _model_line(cfg) -> str:
+def model_line(cfg) -> str:
     count = common.param_count(training.family(cfg).param_specs(cfg))
     if isinstance(cfg, LlamaConfig):
         shape = (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
@@ -105,8 +105,8 @@ class RunLog:
         rows = [
             ("experiment", f"{full.name}: {full.summary}"),
             ("scale", f"{scale}\n{'':12}({s.scale_reason})"),
-            ("model", _model_line(s.model) + (f" from {run.init_from}" if run.init_from else "")),
-            ("full scale", _model_line(full.model)),
+            ("model", model_line(s.model) + (f" from {run.init_from}" if run.init_from else "")),
+            ("full scale", model_line(full.model)),
             ("devices", f"{self.devices} x {backend}, mesh {dict(mesh.shape)}"),
             ("batch", f"{batch_size} sequences x {run.seq} tokens "
                       f"({batch_size / self.devices:g} per device)"),
@@ -133,7 +133,8 @@ class RunLog:
 
     def step_done(self, step: int, metrics) -> bool:
         """Read a finished step's metrics (this waits for it); False if the loss is not finite."""
-        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        values = {k: float(v) for k, v in metrics.items()}
+        loss = values["loss"]
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         self.times.append(seconds)
@@ -146,10 +147,12 @@ class RunLog:
             return False
         tflops = self.flops / seconds / 1e12
         eta = statistics.median(self.times) * (self.run.steps - step)
+        experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}"
+                   if "expert_load_max_over_mean" in values else "")
         self._say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {loss:.4f}  "
                   f"{seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
-                  f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s")
-        self._write({"step": step, "loss": loss, "grad_norm": grad_norm, "step_s": seconds,
+                  f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s{experts}")
+        self._write({"step": step, **values, "step_s": seconds,
                      "tokens_per_s": self.tokens / seconds, "tflops_per_device": tflops})
         return True
 

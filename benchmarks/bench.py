@@ -19,13 +19,11 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import configs  # noqa: E402
+import report  # noqa: E402
 import training  # noqa: E402
 from data import SyntheticTokens  # noqa: E402
-from model import common, llama  # noqa: E402
+from model import common  # noqa: E402
 from offload import policies  # noqa: E402
-
-POLICIES = ("none", "remat", "qkv_offload")
-
 
 def timed(fn, *args, repeats: int) -> float:
     """Median seconds per call, after one warm-up call."""
@@ -48,8 +46,8 @@ def step_time(model, run, policy_name: str, repeats: int) -> float:
     tables = None if policy_name == policies.NO_CHECKPOINT else policies.placement_tables(
         policy_name, {}, training.scan_tags(model))
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(llama.param_specs(model), common.AxisRules(mesh=mesh),
-                                jax.random.key(0))
+    params = common.init_params(training.family(model).param_specs(model),
+                                common.AxisRules(mesh=mesh), jax.random.key(0))
     optimizer = training.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     loss = training.make_loss(model, run, tables, rules=None)
@@ -64,29 +62,37 @@ def step_time(model, run, policy_name: str, repeats: int) -> float:
     return timed(one_step, repeats=repeats)
 
 
-def main(argv: list[str]) -> None:
-    name = argv[0] if argv and "=" not in argv[0] else "llama405b-offload"
-    overrides = configs.parse_overrides([a for a in argv if "=" in a])
-    repeats = int(overrides.pop("steps", "5"))
-    model, run = configs.apply_overrides(*configs.get(name).at_scale("proxy"), overrides)
-    print(f"{name} proxy: L={model.n_layers} D={model.d_model} F={model.d_ff} V={model.vocab}, "
-          f"batch {run.per_device_batch} x {run.seq}, compute {run.compute_dtype}, "
-          f"1 {jax.default_backend()} device; median of {repeats} steps")
-    ceiling = matmul_ceiling()
-    print(f"ceiling: 2048^3 f32 matmul {ceiling / 1e9:.1f} GFLOP/s")
-    flops = llama.training_flops(model, run.per_device_batch, run.seq)
+def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
+    experiment = configs.get(name)
+    model, run = configs.apply_overrides(*experiment.at_scale("proxy"), overrides)
+    print(f"\n{name} proxy: {report.model_line(model)}; batch {run.per_device_batch} x "
+          f"{run.seq}, compute {run.compute_dtype}, 1 {jax.default_backend()} device; "
+          f"median of {repeats} steps")
+    flops = training.family(model).training_flops(model, run.per_device_batch, run.seq)
     print(f"{'policy':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
-    times = {p: step_time(model, run, p, repeats) for p in POLICIES}
+    times = {p: step_time(model, run, p, repeats)
+             for p in ("none", "remat", experiment.run.policy)}
     for p, seconds in times.items():
         rate = flops / seconds
         print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
               f"{seconds / times['remat']:>10.2f}")
-    print("(on a CPU, offload keeps Q/K/V in memory: the gain over remat is the recompute saved)")
     started = time.perf_counter()
     subprocess.run([sys.executable, "train.py", name, "--plan"], check=True,
                    stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
-    print(f"full-scale plan of {name} (python train.py {name} --plan, a fresh process): "
+    print(f"full-scale plan (python train.py {name} --plan, a fresh process): "
           f"{time.perf_counter() - started:.1f} s")
+
+
+def main(argv: list[str]) -> None:
+    names = [a for a in argv if "=" not in a] or ["llama405b-offload", "deepseek671b-offload"]
+    overrides = configs.parse_overrides([a for a in argv if "=" in a])
+    repeats = int(overrides.pop("steps", "5"))
+    ceiling = matmul_ceiling()
+    print(f"ceiling: 2048^3 f32 matmul {ceiling / 1e9:.1f} GFLOP/s (same run)")
+    for name in names:
+        bench(name, overrides, repeats, ceiling)
+    print("(on a CPU, offloaded tensors stay in memory: the gain over remat is the recompute "
+          "saved, the cost the memory traffic of keeping them)")
 
 
 if __name__ == "__main__":

@@ -207,4 +207,4 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     return found
 
 
-from configs import llama3  # noqa: E402,F401  (registers the Llama experiments)
+from configs import deepseek_v3, llama3  # noqa: E402,F401  (they register their experiments)

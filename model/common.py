@@ -32,7 +32,8 @@ class AxisRules:
     kv_heads: MeshAxes = None
     head_dim: MeshAxes = None
     mlp: MeshAxes = None
-    latent: MeshAxes = None  # MLA's low-rank projections
+    latent: MeshAxes = None  # MLA's low-rank latents, as outputs
+    lora: MeshAxes = "fsdp"  # the same latents as the input of the up-projections
     experts: MeshAxes = None
     layers: MeshAxes = None
     mesh: Mesh | AbstractMesh | None = None  # abstract when exporting without devices

@@ -29,14 +29,14 @@ def _attention_specs(cfg: DeepSeekConfig) -> dict:
         Q = cfg.q_lora_rank
         query = {"wq_a": ParamSpec((D, Q), ("embed", "latent"), D**-0.5),
                  "q_norm": ParamSpec((Q,), ("latent",)),
-                 "wq_b": ParamSpec((Q, N, qk), ("latent", "heads", "head_dim"), Q**-0.5)}
+                 "wq_b": ParamSpec((Q, N, qk), ("lora", "heads", "head_dim"), Q**-0.5)}
     return {
         "attn_norm": ParamSpec((D,), ("embed",)),
         **query,
         "wkv_a": ParamSpec((D, R + cfg.qk_rope_dim), ("embed", "latent"), D**-0.5),
         "kv_norm": ParamSpec((R,), ("latent",)),
         "wkv_b": ParamSpec((R, N, cfg.qk_nope_dim + cfg.v_head_dim),
-                           ("latent", "heads", "head_dim"), R**-0.5),
+                           ("lora", "heads", "head_dim"), R**-0.5),
         "wo": ParamSpec((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"),
                         (N * cfg.v_head_dim) ** -0.5),
         "mlp_norm": ParamSpec((D,), ("embed",)),

@@ -41,6 +41,14 @@ PRESETS: dict[str, dict] = {
     "minimal_offloaded": {t: "offload" for t in ("query_proj", "key_proj", "value_proj",
                                                  "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")},
 }
+# DeepSeek-V3, after the study: in the MoE layers the MLA query and key/value projection
+# intermediates (the low-rank latents, before and after their norms) and the routed experts'
+# up-projections; in the dense layers the MLP up and down projections.
+_DSV3 = {"dense_layers": ("mlpwi_0", "mlpwi_1", "mlpwo"),
+         "moe_layers": ("query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "moe_mlpwi_0",
+                        "moe_mlpwi_1")}
+PRESETS["dsv3_offload"] = {scan: {t: "offload" for t in tags} for scan, tags in _DSV3.items()}
+PRESETS["dsv3_device"] = {scan: {t: "device" for t in tags} for scan, tags in _DSV3.items()}
 NO_CHECKPOINT = "none"
 
 

@@ -155,3 +155,81 @@ def test_tags_of_both_scans_are_the_tag_lists():
         for count, tags in [(1, policies.DEEPSEEK_DENSE_TAGS), (2, policies.DEEPSEEK_MOE_TAGS)]:
             sites = [s for sites in found.values() for s in sites if s.count == count]
             assert sorted(s.tag for s in sites) == sorted(tags)  # each tag exactly once
+
+
+def tiny_params(cfg=TINY, seed=0):
+    mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+    rules = common.AxisRules(batch="fsdp", mesh=mesh)
+    params = common.init_params(deepseek.param_specs(cfg), rules, jax.random.key(seed))
+    bias = jax.random.normal(jax.random.key(seed + 1), (cfg.n_moe_layers, cfg.n_experts)) * 0.3
+    return {**params, "moe_layers": {**params["moe_layers"], "router_bias": bias}}
+
+
+@jax.jit(static_argnums=(2, 3))
+def loss_and_grads(params, batch, tables, expert_path):
+    tables = None if tables is None else {s: dict(t) for s, t in tables}
+    loss = training.make_loss(TINY, dataclasses.replace(RUN, expert_path=expert_path), tables,
+                              rules=None)
+    return jax.value_and_grad(lambda p: loss(p, batch)[0])(params)
+
+
+RUN = training.RunConfig(compute_dtype="float32", balance_loss_weight=0.01)
+DEEPSEEK_TABLES = {name: policies.placement_tables(name, {}, policies.SCAN_TAGS["deepseek"])
+                   for name in ("remat", "dsv3_offload", "dsv3_device")}
+DEEPSEEK_TABLES["all_offload"] = {scan: {t: "offload" for t in tags}
+                                  for scan, tags in policies.SCAN_TAGS["deepseek"].items()}
+
+
+def _hashable(tables):
+    return tuple((s, tuple(sorted(t.items()))) for s, t in tables.items())
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_TABLES))
+def test_every_policy_gives_the_gradients_of_no_checkpointing(name):
+    params = tiny_params()
+    batch = jax.random.randint(jax.random.key(3), (2, 13), 0, TINY.vocab)
+    path = "sorted" if name == "all_offload" else "dense"
+    reference = loss_and_grads(params, batch, None, path)
+    checked = loss_and_grads(params, batch, _hashable(DEEPSEEK_TABLES[name]), path)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 checked, reference)
+
+
+def test_the_router_bias_gets_no_gradient_and_its_own_update():
+    params = tiny_params()
+    batch = jax.random.randint(jax.random.key(3), (2, 13), 0, TINY.vocab)
+    _, grads = loss_and_grads(params, batch, None, "dense")
+    assert not np.any(grads["moe_layers"]["router_bias"])
+    load = jnp.array([[5, 0, 3, 3, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 9]])
+    moved = training.update_router_bias(params, load, 0.01)["moe_layers"]["router_bias"]
+    step = np.asarray(moved - params["moe_layers"]["router_bias"])
+    mean = np.asarray(load).mean(axis=1, keepdims=True)  # 2 in both layers
+    np.testing.assert_allclose(step, 0.01 * np.sign(mean - np.asarray(load)), atol=1e-7)
+
+
+def test_balance_loss_matches_the_papers_formula():
+    rng = np.random.default_rng(4)
+    B, T, E, k = 2, 6, 8, 2
+    scores = rng.uniform(0.05, 1, size=(B * T, E)).astype(np.float32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(B * T)]).astype(np.int32)
+    want = 0.0
+    for b in range(B):
+        s, chosen = scores[b * T:(b + 1) * T], experts[b * T:(b + 1) * T]
+        f = np.array([E / (k * T) * np.sum(chosen == e) for e in range(E)])
+        p = (s / s.sum(axis=1, keepdims=True)).mean(axis=0)
+        want += np.sum(f * p) / B
+    assert float(deepseek.balance_loss(scores, experts, B, E)) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["dsv3_offload", "dsv3_device", "remat"])
+def test_the_exported_program_offloads_exactly_the_table_in_both_scans(preset):
+    import plan
+    from configs.deepseek_v3 import DEEPSEEK_V3, PROXY_V3, STUDY_V3
+    tables = policies.placement_tables(preset, {}, policies.SCAN_TAGS["deepseek"])
+    for model, mesh in [(DEEPSEEK_V3, (1, 128)), (PROXY_V3, (1, 8))]:
+        run = dataclasses.replace(STUDY_V3, seq=256 if model is PROXY_V3 else STUDY_V3.seq)
+        lines = plan.Program(model, run, tables, mesh).tag_lines()
+        wanted = {(scan, t) for scan, table in tables.items() for t, p in table.items()
+                  if p == "offload"} - {(scan, "mlpwo") for scan in tables}
+        assert {(x.value.scan, x.value.tag) for x in lines if x.offloaded} == wanted
+        assert {x.value.tag for x in lines if not x.needed} == {"mlpwo"}

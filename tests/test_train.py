@@ -173,3 +173,13 @@ def test_compare_runs_the_four_rows_into_one_table(tmp_path, capsys):
         ["llama405b-offload-nolhs", "qkv_offload", "false", "false"],
         ["llama405b-offload-pipelined", "qkv_offload", "true", "true"]]
     assert (folder / "compare.md").read_text() in out
+
+
+def test_a_deepseek_experiment_runs_end_to_end(tmp_path, capsys):
+    code, out, err = run_cli(["deepseek671b-offload", "steps=2", "seq=32", "model.vocab=512",
+                              "model.n_layers=2"], tmp_path, capsys)
+    assert code == 0, err
+    assert "671,026,419,200 parameters" in out and "moe_layers" in out
+    (run_dir,) = tmp_path.iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["expert_load_max_over_mean"] >= 1 for r in records)
