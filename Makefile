@@ -10,6 +10,7 @@ help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
 	@echo "make llama405b-compare                       the study's four Llama rows, one table"
+	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite (8 fake CPU devices)"
 	@echo "make bench    proxy step time and model-FLOP rate vs a same-run matmul ceiling"
 	@echo "make install  create $(VENV) with the pinned dependencies"
