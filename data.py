@@ -28,7 +28,7 @@ class TokenFile:
     """A flat array of token ids (uint16 or uint32, nanoGPT's .bin), read through a memmap.
     Each row of a batch is a window starting at a random offset drawn from (seed, step)."""
 
-    def __init__(self, path: str, dtype: str, vocab: int, seed: int):
+    def __init__(self, path: str, dtype: str, vocab: int, seed: int, seq: int):
         if not os.path.isfile(path):
             raise DataError(f"data.path={path!r}: no such file")
         itemsize = np.dtype(dtype).itemsize
@@ -38,7 +38,11 @@ class TokenFile:
                             f"{dtype} tokens")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
         self.vocab, self.seed, self.path = vocab, seed, path
-        self._check(self.tokens[: 1 << 20])
+        if len(self.tokens) < seq + 1:
+            raise DataError(f"data.path={path!r}: {len(self.tokens)} tokens, fewer than one "
+                            f"window of seq+1={seq + 1}")
+        for start in range(0, len(self.tokens), 1 << 24):  # the whole file, in 16M-token reads
+            self._check(self.tokens[start:start + (1 << 24)])
 
     def _check(self, tokens: np.ndarray) -> None:
         if tokens.size and int(tokens.max()) >= self.vocab:
@@ -46,15 +50,11 @@ class TokenFile:
                             f"the model's vocabulary of {self.vocab} (wrong data.dtype?)")
 
     def batch(self, step: int, batch: int, seq: int) -> np.ndarray:
-        if len(self.tokens) < seq + 1:
-            raise DataError(f"data.path={self.path!r}: {len(self.tokens)} tokens, fewer than "
-                            f"one window of seq+1={seq + 1}")
         rng = np.random.default_rng((self.seed, step))
         starts = rng.integers(0, len(self.tokens) - seq, batch)
-        rows = np.stack([self.tokens[s: s + seq + 1] for s in starts]).astype(np.int32)
-        self._check(rows)
-        return rows
+        return np.stack([self.tokens[s: s + seq + 1] for s in starts]).astype(np.int32)
 
 
-def token_source(path: str, dtype: str, vocab: int, seed: int):
-    return TokenFile(path, dtype, vocab, seed) if path else SyntheticTokens(vocab, seed)
+def token_source(path: str, dtype: str, vocab: int, seed: int, seq: int):
+    """Checked up front: a bad file fails before anything is compiled or written."""
+    return TokenFile(path, dtype, vocab, seed, seq) if path else SyntheticTokens(vocab, seed)

@@ -1,6 +1,6 @@
 """Where a step's activations go, and how much memory each device needs, from abstract values.
 
-    python train.py EXPERIMENT --plan [key=value ...]     the full-scale plan (and the proxy's)
+    python train.py EXPERIMENT --plan [key=value ...]     the full-scale plan
 
 Nothing is allocated or compiled: the step is traced and exported for a GPU from
 ShapeDtypeStructs sharded over an abstract mesh, so a laptop plans the 128-GPU run.
@@ -139,7 +139,7 @@ def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
     device = [r for r in plan.residuals if not r.on_host]
     stacked = sum(r.nbytes for r in device if r.shape[:1] and r.shape[0] in plan.layers)
     rows = [
-        ("parameters", plan.params, "fp32 master weights, FSDP shard"),
+        ("parameters", plan.params, "master weights, FSDP shard"),
         ("gradients", plan.grads, "same sharding as the parameters"),
         ("optimizer state", plan.optimizer, "AdamW moments, same sharding"),
         ("activations on device", plan.device_activations,

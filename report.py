@@ -69,7 +69,9 @@ class RunLog:
         self.times: list[float] = []
         profile_last = min(4, setup.run.steps)
         self.profile_steps = (min(2, profile_last), profile_last) if setup.run.profile else None
-        self.dir = _new_run_dir(setup.run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        # Only process 0 writes: one folder per run, even on a shared filesystem.
+        name = f"{setup.experiment.name}-{setup.scale}"
+        self.dir = _new_run_dir(setup.run.out_dir, name) if self.main else Path(setup.run.out_dir)
         if self.main:
             (self.dir / "config.json").write_text(json.dumps({
                 "experiment": setup.experiment.name, "scale": setup.scale,
@@ -78,7 +80,9 @@ class RunLog:
             self.metrics = open(self.dir / "metrics.jsonl", "a")
         self._print_header(mesh, batch_size, compile_s)
         full = setup.experiment
-        for line in plan.plan_lines(full.name, full.run, full_plan):
+        full_run = dataclasses.replace(full.run, policy=setup.run.policy,
+                                       placements=setup.run.placements)
+        for line in plan.plan_lines(full.name, full_run, full_plan):
             self._say(line)
         self._say("-" * 100)
         self._say("placement, this run (per device; proved on the program exported for a GPU):")
@@ -112,6 +116,8 @@ class RunLog:
                       f"({batch_size / self.devices:g} per device)"),
             ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                        "softmax, norms and loss float32"),
+            ("kernels", ", ".join(f"{k} {v or 'xla'}" for k, v in
+                                  training.forward_options(s.model, run).items())),
             ("policy", f"{run.policy}: {_policy_line(s.tables)}" + (
                 "\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
                 "CPU lowering drops placement annotations)" if backend != "gpu" and any(

@@ -22,7 +22,7 @@ import report
 import training
 from configs import ConfigError
 from data import DataError, token_source
-from model import common, llama
+from model import common
 from model.checkpoint import CheckpointError
 from model.hf import load_checkpoint
 from offload import memory, policies
@@ -34,7 +34,7 @@ class Setup:
     experiment: configs.Experiment
     scale: str
     scale_reason: str
-    model: llama.LlamaConfig
+    model: configs.ModelConfig
     run: configs.RunConfig
     tables: dict | None  # scan -> placement table; None when checkpointing is off
     data: object
@@ -49,16 +49,20 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize()
 
 
-def choose_scale(experiment: configs.Experiment, requested: str) -> tuple[str, str]:
-    """(scale, why). Full scale needs as many accelerators as the experiment's mesh has."""
-    need = experiment.run.mesh.data * experiment.run.mesh.fsdp
+def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str):
+    """(scale, why). Full scale needs exactly the accelerators of the (overridden) full mesh."""
+    mesh = configs.apply_overrides(*experiment.at_scale("full"), overrides)[1].mesh
+    if mesh.data < 1:
+        raise ConfigError(f"mesh.data={mesh.data} must be at least 1")
+    need = mesh.data * mesh.fsdp if mesh.fsdp > 0 else None  # fsdp=-1: any multiple of data
     devices = jax.devices()
     have = f"{len(devices)} {devices[0].platform} device(s)"
-    enough = devices[0].platform != "cpu" and len(devices) >= need
+    enough = devices[0].platform != "cpu" and (
+        len(devices) == need if need else len(devices) % mesh.data == 0)
     if requested == "full" and not enough:
-        raise ConfigError(f"{experiment.name} at full scale needs {need} accelerators (mesh "
-                          f"data={experiment.run.mesh.data} x fsdp={experiment.run.mesh.fsdp}); "
-                          f"this machine has {have}")
+        raise ConfigError(f"{experiment.name} at full scale needs {need or 'a multiple of'} "
+                          f"{mesh.data if need is None else ''} accelerators (mesh data="
+                          f"{mesh.data} x fsdp={mesh.fsdp}); this machine has {have}")
     if requested == "proxy" or not enough:
         why = "asked for" if requested == "proxy" else f"full scale needs {need} accelerators"
         return "proxy", f"{why}; this machine has {have}"
@@ -71,7 +75,7 @@ def resolve(name: str, args: list[str]) -> Setup:
     requested = overrides.get("scale", experiment.run.scale)
     if requested not in configs.SCALES:
         raise ConfigError(f"scale={requested!r}: choose one of {', '.join(configs.SCALES)}")
-    scale, why = choose_scale(experiment, requested)
+    scale, why = choose_scale(experiment, overrides, requested)
     model, run = configs.apply_overrides(*experiment.at_scale(scale), overrides)
     hf_params = None
     if run.init_from:
@@ -84,7 +88,9 @@ def resolve(name: str, args: list[str]) -> Setup:
                               f"but {experiment.name} trains a {type(experiment.model).__name__}")
     if found := configs.problems(model, run, jax.device_count()):
         raise ConfigError("; ".join(found))
-    data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed)
+    if run.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"attention=cudnn needs a GPU; this backend is {jax.default_backend()}")
+    data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     return Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
                  hf_params)
 
@@ -132,7 +138,7 @@ def global_batch(setup: Setup, step: int, sharding, batch_size: int):
 
 
 def full_scale_plan(experiment: configs.Experiment, tables: dict | None) -> memory.MemoryPlan:
-    """The experiment's full-scale memory plan and placement list under this run's tables."""
+    """The experiment's full-scale memory plan and placement list under these tables."""
     run = experiment.run
     return plan.Program(experiment.model, run, tables, (run.mesh.data, run.mesh.fsdp)).memory_plan(
         configs.DEVICE_MEMORY_GB[run.device] * 10**9)

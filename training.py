@@ -113,14 +113,19 @@ def gpu_compiler_options(flags: dict[str, str]) -> dict:
 
 
 def forward_options(model, run: RunConfig) -> dict:
-    """Family-specific forward arguments: for MoE models, how routed experts are computed
-    (grouped GEMMs on accelerators; every expert densely on CPUs, where ragged_dot is slow)."""
-    if not isinstance(model, DeepSeekConfig):
-        return {}
-    path = run.expert_path
-    if path == "auto":
-        path = "dense" if jax.default_backend() == "cpu" else "sorted"
-    return {"expert_path": path}
+    """Backend-dependent forward arguments: the attention kernel (cuDNN's fused one on GPUs in
+    bf16/fp16, XLA's elsewhere) and, for MoE models, how routed experts are computed (grouped
+    GEMMs on accelerators; every expert densely on CPUs, where ragged_dot is slow)."""
+    on_cpu = jax.default_backend() == "cpu"
+    attention = run.attention
+    if attention == "auto":
+        fused = not on_cpu and run.compute_dtype in ("bfloat16", "float16")
+        attention = "cudnn" if fused else "xla"
+    options = {"attention": None if attention == "xla" else attention}
+    if isinstance(model, DeepSeekConfig):
+        path = run.expert_path
+        options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
+    return options
 
 
 def make_loss(model, run: RunConfig, tables: dict | None, rules):

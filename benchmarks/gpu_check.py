@@ -39,9 +39,12 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
 
 
 def value_and_grad_fn(model, tables, dtype, flags):
+    """Forward + backward as a run computes it: cuDNN's fused attention on a GPU in bf16."""
+    on_gpu = jax.default_backend() == "gpu"
+    fused = on_gpu and dtype == jnp.bfloat16
     loss = partial(training.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
-                   rules=None, dtype=dtype)
-    options = training.gpu_compiler_options(flags) if jax.default_backend() == "gpu" else None
+                   rules=None, dtype=dtype, attention="cudnn" if fused else None)
+    options = training.gpu_compiler_options(flags) if on_gpu else None
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]), compiler_options=options)
 
 

@@ -5,6 +5,7 @@ at a size a laptop runs in about a second a step. `scale=auto` picks whichever t
 """
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -71,6 +72,7 @@ class RunConfig:
     out_dir: str = "runs"
     profile: bool = False
     device: str = "gb200"  # the GPU the memory plan measures against (DEVICE_MEMORY_GB)
+    attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
     router_bias_rate: float = 0.001  # aux-loss-free balancing step (DeepSeek-V3's gamma)
@@ -134,9 +136,12 @@ def _coerce(key: str, text: str, kind) -> Any:
                 return text.lower() in ("true", "1", "yes")
         elif option in (int, float, str):
             try:
-                return option(text)
+                value = option(text)
             except ValueError:
-                pass
+                continue
+            if option is float and not math.isfinite(value):
+                raise ConfigError(f"{key}={text!r}: must be a finite number")
+            return value
     names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
     raise ConfigError(f"{key}={text!r}: expected {names}")
 
@@ -182,7 +187,7 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found = list(model.problems())
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
                "quant": QUANTS, "device": tuple(DEVICE_MEMORY_GB),
-               "expert_path": ("auto", "sorted", "dense")}
+               "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
     if run.data.dtype not in ("uint16", "uint32"):
@@ -193,7 +198,10 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")
-    data, fsdp = run.mesh.shape(n_devices)
+    if run.global_batch < 0:
+        found.append(f"global_batch={run.global_batch} must be 0 (per-device batch x devices) "
+                     "or positive")
+    data, fsdp = run.mesh.shape(n_devices) if run.mesh.data >= 1 else (run.mesh.data, 0)
     if data < 1 or fsdp < 1 or data * fsdp != n_devices:
         found.append(f"mesh data={run.mesh.data} x fsdp={run.mesh.fsdp} does not cover the "
                      f"{n_devices} devices")
@@ -202,8 +210,12 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
                      f"{data * fsdp} data x fsdp devices")
     found += [f"xla_flags.{flag}: XLA flag names start with xla_"
               for flag in run.xla_flags if not flag.startswith("xla_")]
-    if run.optimizer.lr <= 0 or run.optimizer.warmup_steps < 0:
-        found.append("optimizer.lr must be positive and optimizer.warmup_steps non-negative")
+    opt = run.optimizer
+    if opt.lr <= 0 or opt.warmup_steps < 0 or opt.clip_norm <= 0 or opt.weight_decay < 0:
+        found.append("optimizer: lr and clip_norm must be positive, warmup_steps and "
+                     "weight_decay non-negative")
+    if not (0 <= opt.b1 < 1 and 0 <= opt.b2 < 1 and 0 <= opt.min_lr_ratio <= 1):
+        found.append("optimizer: b1 and b2 must lie in [0, 1), min_lr_ratio in [0, 1]")
     return found
 
 

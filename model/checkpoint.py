@@ -97,6 +97,8 @@ def check_shapes(params: dict, specs: dict) -> None:
     while flat:
         path, p, s = flat.pop()
         if isinstance(s, dict):
+            if missing := [k for k in s if k not in p]:
+                raise CheckpointError(f"{path or '/'}: the checkpoint has no {missing[0]!r}")
             flat += [(f"{path}/{k}", p[k], s[k]) for k in s]
         elif p.shape != s.shape:
             raise CheckpointError(f"{path}: shape {p.shape} in the checkpoint, {s.shape} expected")

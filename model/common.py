@@ -169,19 +169,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None):
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None,
+                     implementation: str | None = None):
     """softmax(q k^T * scale) v with a causal mask (scale 1/sqrt(H) by default); q [B,T,N,H],
     k [B,S,K,H], v [B,S,K,H'] with H' <= H.
 
     Query head n reads kv head n // (N/K), Hugging Face's repeat-interleave GQA mapping.
-    The softmax runs in fp32. On GPU this picks cuDNN flash attention when it can; those kernels
-    want one head dim for q, k and v, so a narrower v (MLA: 128 vs 192) is padded with zero
-    columns, whose outputs are zero and sliced off: 50% more P.V work, but a fused kernel.
+    The softmax runs in fp32. `implementation="cudnn"` (GPUs, bf16) is the fused flash kernel,
+    which never stores the [B, N, T, S] scores; None is XLA's reference path (JAX 0.10 does not
+    pick cuDNN by itself). The fused kernel wants one head dim for q, k and v, so a narrower v
+    (MLA: 128 vs 192) is padded with zero columns, whose outputs are zero and sliced off.
     """
     pad = q.shape[-1] - v.shape[-1]
     if pad:
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                       implementation=implementation)
     return out[..., : out.shape[-1] - pad] if pad else out
 
 

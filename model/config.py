@@ -38,8 +38,10 @@ class LlamaConfig:
         if self.head_dim % 2:
             found.append(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         scaling = self.rope_scaling
-        if scaling and scaling.high_freq_factor <= scaling.low_freq_factor:
-            found.append("model.rope_scaling.high_freq_factor must exceed low_freq_factor")
+        if scaling and not (0 < scaling.low_freq_factor < scaling.high_freq_factor
+                            and scaling.factor > 0 and scaling.original_max_position > 0):
+            found.append("model.rope_scaling: factor and original_max_position must be "
+                         "positive, and 0 < low_freq_factor < high_freq_factor")
         return found
 
 
@@ -94,8 +96,16 @@ class DeepSeekConfig:
         found = [f"model.{f.name} must be positive, got {getattr(self, f.name)}"
                  for f in dataclasses.fields(self) if f.name != "n_dense_layers"
                  and type(getattr(self, f.name)) in (int, float) and getattr(self, f.name) <= 0]
-        if not 0 <= self.n_dense_layers <= self.n_layers:
-            found.append(f"model.n_dense_layers={self.n_dense_layers} must lie in 0..n_layers")
+        if not 0 < self.n_dense_layers < self.n_layers:
+            found.append(f"model.n_dense_layers={self.n_dense_layers}: at least one dense and "
+                         f"one MoE layer (1..{self.n_layers - 1})")
+        if self.v_head_dim > self.qk_nope_dim + self.qk_rope_dim:
+            found.append("model.v_head_dim must not exceed qk_nope_dim + qk_rope_dim")
+        yarn = self.rope_scaling
+        if yarn and not (yarn.factor > 0 and yarn.original_max_position > 0
+                         and yarn.beta_fast > yarn.beta_slow > 0):
+            found.append("model.rope_scaling: factor and original_max_position must be "
+                         "positive, and beta_fast > beta_slow > 0")
         if self.n_groups > 0 and self.n_experts % self.n_groups:
             found.append(f"model.n_experts={self.n_experts} is not divisible by "
                          f"model.n_groups={self.n_groups}")

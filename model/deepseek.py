@@ -91,7 +91,7 @@ def _rope(x, cos, sin, interleave: bool):
     return apply_rope(x, cos, sin)
 
 
-def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None):
+def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=None):
     """Multi-head latent attention, expanded as HF computes it: [B, T, D] -> [B, T, D]."""
     if cfg.q_lora_rank is None:
         q = jnp.einsum("btd,dnh->btnh", x, w["wq"])
@@ -113,7 +113,8 @@ def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None):
     v = checkpoint_name(v, "value_proj")
     q = constrain(q, rules, ("batch", "seq", "heads", "head_dim"))
     k = constrain(k, rules, ("batch", "seq", "heads", "head_dim"))
-    attended = checkpoint_name(causal_attention(q, k, v, softmax_scale(cfg)), "attention_out")
+    attended = checkpoint_name(causal_attention(q, k, v, softmax_scale(cfg), attention),
+                               "attention_out")
     return checkpoint_name(jnp.einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
 
 
@@ -155,7 +156,7 @@ def experts_dense(x, weights, experts, w, n_experts: int):
     up = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_up"]), "moe_mlpwi_1")
     out = checkpoint_name(jnp.einsum("sef,efd->sed", jax.nn.silu(gate) * up, w["we_down"]),
                           "moe_mlpwo")
-    return jnp.einsum("sed,se->sd", out, combine.astype(out.dtype))
+    return jnp.einsum("sed,se->sd", out.astype(jnp.float32), combine).astype(x.dtype)
 
 
 def experts_sorted(x, weights, experts, w, n_experts: int):
@@ -170,7 +171,7 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
     up = checkpoint_name(jax.lax.ragged_dot(rows, w["we_up"], sizes), "moe_mlpwi_1")
     out = checkpoint_name(jax.lax.ragged_dot(jax.nn.silu(gate) * up, w["we_down"], sizes),
                           "moe_mlpwo")
-    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[tokens].add(out)
 
 
@@ -189,21 +190,24 @@ def moe(x, w, cfg: DeepSeekConfig, expert_path: str):
     return routed.reshape(B, T, D) + swiglu(x, w), stats
 
 
-def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None):
+def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None):
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
-        x = x + mla(rms_norm(x, w["attn_norm"], cfg.norm_eps), w, cfg, cos, sin, rules)
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        x = x + mla(h, w, cfg, cos, sin, rules, attention)
         x = constrain(x, rules, ("batch", "seq", None))
     with jax.named_scope("mlp"):
         x = x + swiglu(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w)
         return constrain(x, rules, ("batch", "seq", None))
 
 
-def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted"):
+def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted",
+              attention=None):
     """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar})."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
-        x = x + mla(rms_norm(x, w["attn_norm"], cfg.norm_eps), w, cfg, cos, sin, rules)
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        x = x + mla(h, w, cfg, cos, sin, rules, attention)
         x = constrain(x, rules, ("batch", "seq", None))
     with jax.named_scope("moe"):
         out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path)
@@ -223,7 +227,7 @@ SCANS = ("dense_layers", "moe_layers")  # parameter subtrees and named_scopes of
 
 
 def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
-            dtype=jnp.bfloat16, expert_path="sorted"):
+            dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None):
     """tokens [B, T] -> (logits [B, T, V] fp32, per MoE layer {"expert_load": tokens per
     expert [L_moe, E], "balance_loss": [L_moe]}).
 
@@ -235,11 +239,11 @@ def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
 
     def dense_layer(x, w):
         w = jax.tree.map(lambda a: a.astype(dtype), w)
-        return dense_block(x, w, cfg, cos, sin, rules), None
+        return dense_block(x, w, cfg, cos, sin, rules, attention), None
 
     def moe_layer(x, w):
         w = {k: a if k.startswith("router") else a.astype(dtype) for k, a in w.items()}
-        return moe_block(x, w, cfg, cos, sin, rules, expert_path)
+        return moe_block(x, w, cfg, cos, sin, rules, expert_path, attention)
 
     policies = policies or {}
     if policies.get("dense_layers") is not None:

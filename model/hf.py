@@ -9,7 +9,6 @@ import numpy as np
 
 from model import deepseek, llama
 from model.checkpoint import CheckpointError, check_shapes, read_json, read_tensors
-from model.common import param_count
 from model.config import DeepSeekConfig, Llama3RopeScaling, LlamaConfig, YarnScaling
 
 
@@ -193,6 +192,8 @@ def load_checkpoint(directory: str | Path):
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     hf = read_json(directory / "config.json")
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{directory}/config.json: not a JSON object")
     family = hf.get("model_type", "llama")
     if family not in FAMILIES:
         raise CheckpointError(f"model_type {family!r} is not one of {', '.join(FAMILIES)}")
@@ -201,13 +202,10 @@ def load_checkpoint(directory: str | Path):
         cfg = make_config(hf)
     except KeyError as e:
         raise CheckpointError(f"{directory}/config.json lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{directory}/config.json: a value of the wrong type ({e})") from None
     if problems := cfg.problems():
         raise CheckpointError(f"{directory}/config.json: {problems[0]}")
     params = make_params(read_tensors(directory), cfg)
     check_shapes(params, make_specs(cfg))
-    assert sum(a.size for a in _leaves(params)) == param_count(make_specs(cfg))
     return cfg, params
-
-
-def _leaves(tree: dict) -> list[np.ndarray]:
-    return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]

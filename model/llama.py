@@ -35,7 +35,7 @@ def param_specs(cfg: LlamaConfig) -> dict:
     }
 
 
-def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None):
+def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, attention=None):
     """One decoder layer: x [B, T, D] -> [B, T, D]. `w` holds this layer's weights."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
@@ -49,7 +49,8 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None):
         q = constrain(q, rules, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, rules, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, rules, ("batch", "seq", "kv_heads", "head_dim"))
-        attended = checkpoint_name(causal_attention(q, k, v), "attention_out")
+        attended = checkpoint_name(causal_attention(q, k, v, implementation=attention),
+                                   "attention_out")
         out = checkpoint_name(jnp.einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
         x = constrain(x + out, rules, ("batch", "seq", None))
     with jax.named_scope("mlp"):
@@ -61,12 +62,13 @@ SCANS = ("layers",)  # the layer scan, named as its parameter subtree and its na
 
 
 def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
-            dtype=jnp.bfloat16):
+            dtype=jnp.bfloat16, attention: str | None = None):
     """tokens [B, T] int -> (logits [B, T, V] fp32, {}).
 
     `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
     none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
-    `dtype` (the compute dtype) per layer.
+    `dtype` (the compute dtype) per layer. `attention` picks the attention kernel
+    (`causal_attention`).
     """
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)
@@ -75,7 +77,7 @@ def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules
 
     def layer(x, w):
         w = jax.tree.map(lambda a: a.astype(dtype), w)
-        return block(x, w, cfg, cos, sin, rules), None
+        return block(x, w, cfg, cos, sin, rules, attention), None
 
     policy = (policies or {}).get("layers")
     if policy is not None:

@@ -28,7 +28,7 @@ class TagLine:
     value: Tagged
     placement: str  # what the table asks: device, offload or remat
     needed: bool  # does the backward pass use it at all (else no placement changes anything)
-    offloaded: bool | None  # what the exported GPU program does; None when not exported
+    offloaded: bool  # what the exported GPU program does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +54,12 @@ class MemoryPlan:
     @property
     def layer_working_set(self) -> int:
         """One layer's backward: every tagged value live at once (recomputed or fetched), the
-        layer's gathered weights twice (in use and prefetched), and its unreduced gradients."""
-        return (sum(t.value.nbytes for t in self.tags) + 2 * self.layer_weights
-                + self.layer_grads)
+        layer's gathered weights twice (in use and prefetched), and its unreduced gradients;
+        for the widest layer of each count."""
+        by_scan: dict[str, int] = {}
+        for t in self.tags:
+            by_scan[t.value.scan] = by_scan.get(t.value.scan, 0) + t.value.nbytes
+        return max(by_scan.values(), default=0) + 2 * self.layer_weights + self.layer_grads
 
     @property
     def peak_estimate(self) -> int:

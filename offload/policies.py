@@ -52,6 +52,12 @@ PRESETS["dsv3_device"] = {scan: {t: "device" for t in tags} for scan, tags in _D
 NO_CHECKPOINT = "none"
 
 
+def presets_for(scan_tags: Mapping) -> list[str]:
+    """The presets whose per-scan tables name only scans this model has."""
+    return [name for name, table in PRESETS.items()
+            if all(scan in scan_tags for scan, v in table.items() if isinstance(v, dict))]
+
+
 def _place(tables: dict, scans: list[str], tag: str, place: str, where: str) -> None:
     if place not in PLACEMENTS:
         raise ValueError(f"{where}={place!r}: placement must be one of {', '.join(PLACEMENTS)}")

@@ -24,7 +24,7 @@ def programs(table):
     yield "proxy", plan.Program(proxy_model, proxy_run, table, (1, 8))
 
 
-@pytest.mark.parametrize("preset", list(policies.PRESETS))
+@pytest.mark.parametrize("preset", policies.presets_for(policies.SCAN_TAGS["llama"]))
 def test_the_exported_program_offloads_exactly_the_table(preset):
     tables = policies.placement_tables(preset, {}, policies.SCAN_TAGS["llama"])
     wanted = {tag for tag, place in tables["layers"].items() if place == "offload"}

@@ -66,7 +66,7 @@ def test_experiment_runs_end_to_end_and_writes_its_metrics(tmp_path, capsys):
 def test_a_token_file_trains_and_its_windows_are_deterministic(tmp_path, capsys):
     path = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 512, 5000, dtype=np.uint16).tofile(path)
-    a, b = (TokenFile(str(path), "uint16", 512, seed=7).batch(3, 4, 32) for _ in range(2))
+    a, b = (TokenFile(str(path), "uint16", 512, seed=7, seq=32).batch(3, 4, 32) for _ in range(2))
     np.testing.assert_array_equal(a, b)
     tokens = np.fromfile(path, np.uint16)
     assert any(np.array_equal(a[0], tokens[s:s + 33]) for s in range(len(tokens) - 32))
@@ -115,6 +115,17 @@ BAD_INPUT = {
     "bad dtype": ["llama405b-offload", "compute_dtype=int8"],
     "missing token file": ["llama405b-offload", "data.path=/nonexistent/tokens.bin"],
     "missing checkpoint": ["llama405b-offload", "init_from=/nonexistent/ckpt"],
+    "no data axis": ["llama405b-offload", "mesh.data=0"],
+    "negative batch": ["llama405b-offload", "global_batch=-8"],
+    "not a finite number": ["llama405b-offload", "optimizer.lr=nan"],
+    "bad optimizer range": ["llama405b-offload", "optimizer.b1=1.5"],
+    "bad rope scaling": ["llama405b-offload", "model.rope_scaling.low_freq_factor=0"],
+    "cudnn on a CPU": ["llama405b-offload", "attention=cudnn"],
+    "no dense layer": ["deepseek671b-offload", "model.n_dense_layers=0"],
+    "v wider than q/k": ["deepseek671b-offload", "model.v_head_dim=64"],
+    "bad yarn": ["deepseek671b-offload", "model.rope_scaling.beta_slow=0"],
+    "policy for a missing scan": ["llama405b-offload", "policy.moe_layers.mla_q=offload"],
+    "wrong family's checkpoint": ["deepseek671b-offload", "init_from=tests/fixtures/llama_gqa"],
 }
 
 
@@ -131,10 +142,19 @@ def test_bad_files_are_one_line_and_status_2(tmp_path, capsys):
     odd.write_bytes(b"\x01\x00\x02")  # 1.5 uint16 tokens
     too_big = tmp_path / "big.bin"
     np.array([1, 2, 60000], np.uint16).tofile(too_big)
+    short = tmp_path / "short.bin"
+    np.arange(10, dtype=np.uint16).tofile(short)
+    late = tmp_path / "late.bin"
+    np.concatenate([np.zeros(3_000_000, np.uint16), [600]]).astype(np.uint16).tofile(late)
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
     for args in (["data.path=" + str(odd)], ["data.path=" + str(too_big)],
-                 ["init_from=" + _corrupt_checkpoint(tmp_path)]):
+                 ["data.path=" + str(short)], ["data.path=" + str(late)],
+                 ["init_from=" + _corrupt_checkpoint(tmp_path)], ["init_from=" + str(listed)]):
         code, _, err = run_cli(["llama405b-offload", *SMALL, *args], tmp_path / "out", capsys)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_exit_status_from_a_real_process(tmp_path):
