@@ -68,7 +68,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     seed: int = 0
     scale: str = "auto"
-    init_from: str = ""  # a Hugging Face Llama checkpoint directory
+    init_from: str = ""  # a Hugging Face checkpoint directory of the experiment's family
     out_dir: str = "runs"
     profile: bool = False
     device: str = "gb200"  # the GPU the memory plan measures against (DEVICE_MEMORY_GB)

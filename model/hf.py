@@ -41,7 +41,7 @@ def llama_config(hf: dict) -> LlamaConfig:
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
         d_ff=int(hf["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
-        max_position=int(hf.get("max_position_embeddings", 131_072)),
+        max_position=int(hf.get("max_position_embeddings", 2048)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
 
 
@@ -70,16 +70,16 @@ def deepseek_config(hf: dict) -> DeepSeekConfig:
     return DeepSeekConfig(
         vocab=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
         n_layers=int(hf["num_hidden_layers"]),
-        n_dense_layers=int(hf.get("first_k_dense_replace", 0)),
+        n_dense_layers=int(hf.get("first_k_dense_replace", 3)),
         n_heads=int(hf["num_attention_heads"]),
         q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_dim=int(hf["qk_nope_head_dim"]),
         qk_rope_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
         d_ff=int(hf["intermediate_size"]), moe_d_ff=int(hf["moe_intermediate_size"]),
         n_experts=int(hf["n_routed_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        n_groups=int(hf.get("n_group") or 1), topk_groups=int(hf.get("topk_group") or 1),
-        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(hf.get("n_shared_experts", 1)),  # missing keys: HF's defaults
+        n_groups=int(hf.get("n_group", 8)), topk_groups=int(hf.get("topk_group", 4)),
+        routed_scaling=float(hf.get("routed_scaling_factor", 2.5)),
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)), rope_theta=theta,
         rope_interleave=bool(hf.get("rope_interleave", rope.get("rope_interleave", True))),
         rope_scaling=_yarn(hf, rope), max_position=int(hf.get("max_position_embeddings", 4096)),
