@@ -7,10 +7,12 @@ V vocab. Tags use MaxText's names and positions.
 """
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
                           rms_norm, rope_tables, stack, swiglu, yarn_attention_factor,
@@ -178,16 +180,38 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
 EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
 
 
-def moe(x, w, cfg: DeepSeekConfig, expert_path: str):
-    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E] and
-    the balance term."""
+def _routed(x, w, cfg: DeepSeekConfig, expert_path: str):
+    """Tokens x [B, T, D] through the router and their experts: (output, load [E], balance)."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     weights, experts, scores = route(tokens, w["router"], w["router_bias"], cfg)
     routed = EXPERT_PATHS[expert_path](tokens, weights, experts, w, cfg.n_experts)
-    stats = {"expert_load": jnp.bincount(experts.reshape(-1), length=cfg.n_experts),
-             "balance_loss": balance_loss(scores, experts, B, cfg.n_experts)}
-    return routed.reshape(B, T, D) + swiglu(x, w), stats
+    return (routed.reshape(B, T, D), jnp.bincount(experts.reshape(-1), length=cfg.n_experts),
+            balance_loss(scores, experts, B, cfg.n_experts))
+
+
+def _per_device(routed, rules: AxisRules):
+    """Run `routed` on each device's own tokens, with the expert weights gathered (FSDP):
+    without this, XLA gathers every token of the batch to route and sort them."""
+    batch = rules.spec(("batch", None, None))
+
+    def local(x, w):
+        out, load, balance = routed(x, w)
+        return out, jax.lax.psum(load, batch[0]), jax.lax.pmean(balance, batch[0])
+
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(batch, PartitionSpec()),
+                         out_specs=(batch, PartitionSpec(), PartitionSpec()))
+
+
+def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = None):
+    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E] and
+    the balance term."""
+    routed = partial(_routed, cfg=cfg, expert_path=expert_path)
+    if rules is not None:
+        routed = _per_device(routed, rules)
+    experts = {k: w[k] for k in ("router", "router_bias", "we_gate", "we_up", "we_down")}
+    out, load, balance = routed(x, experts)
+    return out + swiglu(x, w), {"expert_load": load, "balance_loss": balance}
 
 
 def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None):
@@ -210,7 +234,7 @@ def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sort
         x = x + mla(h, w, cfg, cos, sin, rules, attention)
         x = constrain(x, rules, ("batch", "seq", None))
     with jax.named_scope("moe"):
-        out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path)
+        out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path, rules)
         return constrain(x + out, rules, ("batch", "seq", None)), stats
 
 
