@@ -15,8 +15,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          rms_norm, rope_tables, stack, swiglu, yarn_attention_factor,
-                          yarn_frequencies, yarn_mscale)
+                          param_count, rms_norm, rope_tables, stack, swiglu,
+                          yarn_attention_factor, yarn_frequencies, yarn_mscale)
 from model.config import DeepSeekConfig
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm ignore the config's eps
@@ -308,10 +308,8 @@ def training_flops(cfg: DeepSeekConfig, batch: float, seq: int) -> float:
 
 
 def active_params_per_token(cfg: DeepSeekConfig) -> int:
-    """Parameters one token uses: all but the routed experts it does not reach (and the
-    embedding table beyond its own row is still counted, as DeepSeek's 37B figure does)."""
-    specs = param_specs(cfg)
-    total = sum(math.prod(s.shape) for s in jax.tree.leaves(
-        specs, is_leaf=lambda s: isinstance(s, ParamSpec)))
-    per_expert = 3 * cfg.d_model * cfg.moe_d_ff
-    return total - cfg.n_moe_layers * (cfg.n_experts - cfg.experts_per_token) * per_expert
+    """Parameters one token uses: all but the routed experts it does not reach (the whole
+    embedding table still counted, as DeepSeek's 37.55 B figure does)."""
+    routed = {k: s for k, s in param_specs(cfg)["moe_layers"].items() if k.startswith("we_")}
+    unused = 1 - cfg.experts_per_token / cfg.n_experts
+    return param_count(param_specs(cfg)) - round(unused * param_count(routed))
