@@ -188,6 +188,27 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     return out[..., : out.shape[-1] - pad] if pad else out
 
 
+def scan_layers(layer, x, stacked, policy, name: str):
+    """Run `layer(x, w) -> (x, out)` over weights stacked on a leading layer axis, each layer
+    under `jax.checkpoint(policy)` (none: no checkpointing), in a named scope that traces,
+    profiles and placement reports use to tell the scans apart."""
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    with jax.named_scope(name):
+        return jax.lax.scan(layer, x, stacked)
+
+
+def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float, dtype):
+    """Final RMSNorm and LM head: [B, T, D] -> logits [B, T, V] fp32. One 2-D [B*T, D] x
+    [D, V] dot, the same math as "btd,dv->btv": XLA's CPU backend then keeps the backward
+    dots row-major instead of transposing a [V, B*T] copy of dlogits."""
+    x = rms_norm(x, norm, eps)
+    batch, seq, width = x.shape
+    logits = jnp.dot(x.reshape(batch * seq, width), lm_head.astype(dtype),
+                     preferred_element_type=jnp.float32)
+    return logits.reshape(batch, seq, lm_head.shape[-1])
+
+
 def swiglu(h: jax.Array, w: dict) -> jax.Array:
     """The SwiGLU MLP down(silu(gate(h)) * up(h)), [B, T, D] -> [B, T, D], tagged."""
     gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")

@@ -15,8 +15,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          param_count, rms_norm, rope_tables, stack, swiglu,
-                          yarn_attention_factor, yarn_frequencies, yarn_mscale)
+                          param_count, rms_norm, rope_tables, scan_layers, stack, swiglu,
+                          unembed, yarn_attention_factor, yarn_frequencies, yarn_mscale)
 from model.config import DeepSeekConfig
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm ignore the config's eps
@@ -214,12 +214,17 @@ def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = N
     return out + swiglu(x, w), {"expert_load": load, "balance_loss": balance}
 
 
-def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None):
+def _attention_half(x, w, cfg: DeepSeekConfig, cos, sin, rules, attention):
+    """The layer input, tagged, plus MLA of its norm: the first residual half of a layer."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        x = x + mla(h, w, cfg, cos, sin, rules, attention)
-        x = constrain(x, rules, ("batch", "seq", None))
+        return constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules,
+                         ("batch", "seq", None))
+
+
+def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None):
+    x = _attention_half(x, w, cfg, cos, sin, rules, attention)
     with jax.named_scope("mlp"):
         x = x + swiglu(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w)
         return constrain(x, rules, ("batch", "seq", None))
@@ -228,11 +233,7 @@ def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None)
 def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted",
               attention=None):
     """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar})."""
-    x = checkpoint_name(x, "decoder_layer_input")
-    with jax.named_scope("attention"):
-        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        x = x + mla(h, w, cfg, cos, sin, rules, attention)
-        x = constrain(x, rules, ("batch", "seq", None))
+    x = _attention_half(x, w, cfg, cos, sin, rules, attention)
     with jax.named_scope("moe"):
         out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path, rules)
         return constrain(x + out, rules, ("batch", "seq", None)), stats
@@ -270,20 +271,11 @@ def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
         return moe_block(x, w, cfg, cos, sin, rules, expert_path, attention)
 
     policies = policies or {}
-    if policies.get("dense_layers") is not None:
-        dense_layer = jax.checkpoint(dense_layer, policy=policies["dense_layers"],
-                                     prevent_cse=False)
-    if policies.get("moe_layers") is not None:
-        moe_layer = jax.checkpoint(moe_layer, policy=policies["moe_layers"], prevent_cse=False)
-    with jax.named_scope("dense_layers"):
-        x, _ = jax.lax.scan(dense_layer, x, params["dense_layers"])
-    with jax.named_scope("moe_layers"):
-        x, stats = jax.lax.scan(moe_layer, x, params["moe_layers"])
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    batch, seq, width = x.shape
-    logits = jnp.dot(x.reshape(batch * seq, width), params["lm_head"].astype(dtype),
-                     preferred_element_type=jnp.float32)
-    return logits.reshape(batch, seq, cfg.vocab), stats
+    x, _ = scan_layers(dense_layer, x, params["dense_layers"], policies.get("dense_layers"),
+                       "dense_layers")
+    x, stats = scan_layers(moe_layer, x, params["moe_layers"], policies.get("moe_layers"),
+                           "moe_layers")
+    return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps, dtype), stats
 
 
 def _matmul_weights_per_token(cfg: DeepSeekConfig) -> float:

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          param_count, rms_norm, rope_frequencies, rope_tables, stack, swiglu)
+                          param_count, rms_norm, rope_frequencies, rope_tables, scan_layers,
+                          stack, swiglu, unembed)
 from model.config import LlamaConfig
 
 
@@ -79,18 +80,8 @@ def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules
         w = jax.tree.map(lambda a: a.astype(dtype), w)
         return block(x, w, cfg, cos, sin, rules, attention), None
 
-    policy = (policies or {}).get("layers")
-    if policy is not None:
-        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    with jax.named_scope("layers"):
-        x, _ = jax.lax.scan(layer, x, params["layers"])
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    # One 2-D [B*T, D] x [D, V] dot, the same math as "btd,dv->btv": XLA's CPU backend then
-    # keeps the backward dots row-major instead of transposing a [V, B*T] copy of dlogits.
-    batch, seq, width = x.shape
-    logits = jnp.dot(x.reshape(batch * seq, width), params["lm_head"].astype(dtype),
-                     preferred_element_type=jnp.float32)
-    return logits.reshape(batch, seq, cfg.vocab), {}
+    x, _ = scan_layers(layer, x, params["layers"], (policies or {}).get("layers"), "layers")
+    return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps, dtype), {}
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
