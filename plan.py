@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import training
 from configs import RunConfig
-from model import common
+from model import common, quant
 from offload import memory, placement, policies, trace
 
 GiB, MiB = 2**30, 2**20
@@ -42,18 +42,29 @@ class Program:
         self.devices = math.prod(mesh_shape)
         mesh = AbstractMesh(mesh_shape, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
         self.fsdp = mesh_shape[1]
-        self.rules = common.AxisRules(mesh=mesh)
+        self.rules = training.axis_rules(run, mesh)
         self.optimizer = training.make_optimizer(run.optimizer, run.steps)
         self.state = training.abstract_state(model, run, self.rules, self.optimizer)
         self.batch = training.abstract_batch(run, self.rules, self.devices)
-        # One device's share of the work, unsharded: its activations are what it stores.
-        self.specs = training.family(model).param_specs(model)
+        # One device's share of the work, unsharded: its activations are what it stores. Under
+        # expert parallelism it holds only its own experts.
+        self.specs = jax.tree.map(self._own_experts, training.family(model).param_specs(model),
+                                  is_leaf=lambda x: isinstance(x, common.ParamSpec))
         self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
         self.local_batch = jax.ShapeDtypeStruct(
             (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
 
+    def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
+        if "experts" not in spec.axes or self.rules.experts is None:
+            return spec
+        axis = spec.axes.index("experts")
+        shape = list(spec.shape)
+        shape[axis] //= self.fsdp
+        return dataclasses.replace(spec, shape=tuple(shape))
+
     def local_loss(self, tables: dict | None):
-        loss = training.make_loss(self.model, self.run, tables, rules=None)
+        loss = training.make_loss(self.model, self.run, tables, rules=None,
+                                  fsdp_devices=self.fsdp)
         return lambda params, batch: loss(params, batch)[0]
 
     def tag_lines(self) -> list[memory.TagLine]:
@@ -73,7 +84,7 @@ class Program:
                                (s.scan, s.tag) in needed, (s.scan, s.tag) in offloaded)
                 for s in sorted(sites, key=lambda s: scans.index(s.scan))]
 
-    def memory_plan(self, capacity: int) -> memory.MemoryPlan:
+    def memory_plan(self, capacity: int, host_capacity: int) -> memory.MemoryPlan:
         residuals = trace.saved_residuals(self.local_loss(self.tables), self.local_params,
                                           self.local_batch)
         shapes = {leaf.shape for leaf in jax.tree.leaves(self.local_params)}
@@ -91,7 +102,23 @@ class Program:
             layers=tuple(next(iter(self.specs[scan].values())).shape[0] for scan in scans),
             layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
             layer_grads=weights_per_layer * jnp.dtype(self.run.param_dtype).itemsize,
-            capacity=capacity)
+            capacity=capacity, host_capacity=host_capacity,
+            matrices=self.quantizable_matrices())
+
+    def quantizable_matrices(self) -> tuple[int, int]:
+        """Per device, the layer matrices `quant=nvfp4` multiplies in NVFP4: (bytes in the
+        compute dtype, bytes stored as NVFP4: E2M1 codes at 4 bits, E4M3 scales, FP32 scale)."""
+        family = training.family(self.model)
+        specs = family.param_specs(self.model)
+        plain = stored = 0
+        for scan in family.SCANS:
+            for name, spec in specs[scan].items():
+                if len(spec.shape) < 3 or name in family.UNQUANTIZED:  # [L, ...] matrices
+                    continue
+                per_layer = math.prod(spec.shape[1:])
+                plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize
+                stored += spec.shape[0] * quant.nvfp4_bytes((per_layer,), 0)
+        return plain // self.fsdp, stored // self.fsdp
 
 
 def placement_lines(lines: list[memory.TagLine]) -> list[str]:
@@ -148,12 +175,18 @@ def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
         ("one layer's backward", plan.layer_working_set,
          "its tagged values, its gathered weights x2, its unreduced gradients"),
     ]
+    plain, stored = plan.matrices
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows]
     out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
                f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}); an estimate:"
                " NCCL scratch, cuDNN workspaces and XLA temporaries are not in a static plan")
-    out.append(f"{'host (pinned)':<23}{_size(plan.host_activations):>10}  offloaded "
-               "activations, stored over the whole forward pass")
+    out.append(f"{'host (pinned)':<23}{_size(plan.host_activations):>10}  of "
+               f"{_size(plan.host_capacity)} of host memory per GPU "
+               f"({plan.host_activations / plan.host_capacity:.0%}): offloaded activations, "
+               "stored over the whole forward pass")
+    out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  the layer matrices quant=nvfp4 "
+               f"multiplies in FP4 ({_size(plain)} in the compute dtype: {stored / plain:.0%}); "
+               "not in the peak: masters stay FP32, each layer is quantized as it runs")
     if plan.host_activations > host_pool_gib * GiB:
         need = math.ceil(plan.host_activations / GiB * 1.1)
         out.append(f"WARNING: {_size(plan.host_activations)} of host activations exceed XLA's "

@@ -42,6 +42,32 @@ def _policy_line(tables: dict | None) -> str:
                      for scan, table in tables.items()) + "; all else remat"
 
 
+def _kernels_line(options: dict) -> str:
+    parts = []
+    for name, value in options.items():
+        if name == "quantization":
+            parts.append(_quantization_words(value))
+        elif name != "expert_parallel":
+            parts.append(f"{name} {value or 'xla'}")
+        elif value is not None:
+            room = (f"blocks {value.capacity:g}x the balanced share" if value.capacity
+                    else "blocks sized for the worst case: dropless")
+            devices = f"{value.devices} device" + "s" * (value.devices > 1)
+            parts.append(f"experts split over {devices} ({room})")
+    return ", ".join(parts)
+
+
+def _quantization_words(value) -> str:
+    if value is None:
+        return "weights unquantized"
+    tiles = "16x16 tiles" if value.two_d else "1x16 blocks"
+    if value.path == "scaled":
+        return ("weights and activations NVFP4 (1x16 blocks) on FP4 tensor cores "
+                "(scaled_dot_general, backward in full precision)")
+    return (f"weights NVFP4 ({tiles}) quantized-dequantized, then GEMMs in the compute dtype: "
+            "an accuracy path, no FP4 speed-up")
+
+
 def _new_run_dir(root: str, name: str) -> Path:
     """A fresh folder per run, never an existing one: earlier results are not overwritten."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -116,8 +142,8 @@ class RunLog:
                       f"({batch_size / self.devices:g} per device)"),
             ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                        "softmax, norms and loss float32"),
-            ("kernels", ", ".join(f"{k} {v or 'xla'}" for k, v in
-                                  training.forward_options(s.model, run).items())),
+            ("kernels", _kernels_line(training.forward_options(s.model, run,
+                                                               mesh.shape["fsdp"]))),
             ("policy", f"{run.policy}: {_policy_line(s.tables)}" + (
                 "\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
                 "CPU lowering drops placement annotations)" if backend != "gpu" and any(
@@ -153,8 +179,8 @@ class RunLog:
             return False
         tflops = self.flops / seconds / 1e12
         eta = statistics.median(self.times) * (self.run.steps - step)
-        experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}"
-                   if "expert_load_max_over_mean" in values else "")
+        experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}, dropped "
+                   f"{values['expert_dropped']:.2%}" if "expert_dropped" in values else "")
         self._say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {loss:.4f}  "
                   f"{seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
                   f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s{experts}")

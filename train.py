@@ -86,7 +86,8 @@ def resolve(name: str, args: list[str]) -> Setup:
         if type(model) is not type(experiment.model):
             raise ConfigError(f"init_from={run.init_from}: a {type(model).__name__} checkpoint, "
                               f"but {experiment.name} trains a {type(experiment.model).__name__}")
-    if found := configs.problems(model, run, jax.device_count()):
+    found = configs.problems(model, run, jax.device_count())
+    if found := found or training.quantization_problems(model, run):
         raise ConfigError("; ".join(found))
     if run.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {jax.default_backend()}")
@@ -140,8 +141,9 @@ def global_batch(setup: Setup, step: int, sharding, batch_size: int):
 def full_scale_plan(experiment: configs.Experiment, tables: dict | None) -> memory.MemoryPlan:
     """The experiment's full-scale memory plan and placement list under these tables."""
     run = experiment.run
-    return plan.Program(experiment.model, run, tables, (run.mesh.data, run.mesh.fsdp)).memory_plan(
-        configs.DEVICE_MEMORY_GB[run.device] * 10**9)
+    program = plan.Program(experiment.model, run, tables, (run.mesh.data, run.mesh.fsdp))
+    return program.memory_plan(configs.DEVICE_MEMORY_GB[run.device] * 10**9,
+                               configs.HOST_MEMORY_GB[run.device] * 10**9)
 
 
 def train(setup: Setup) -> dict | None:
@@ -151,7 +153,7 @@ def train(setup: Setup) -> dict | None:
     full_plan = full_scale_plan(setup.experiment, setup.tables)
     run_tags = plan.Program(setup.model, run, setup.tables, (data_axis, fsdp_axis)).tag_lines()
     mesh = common.make_mesh((data_axis, fsdp_axis), ("data", "fsdp"))
-    rules = common.AxisRules(mesh=mesh)
+    rules = training.axis_rules(run, mesh)
     batch_size = run.batch(n_devices)
     batch_sharding = rules.sharding(("batch", None))
     optimizer = training.make_optimizer(run.optimizer, run.steps)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from configs import OptimizerConfig, RunConfig
-from model import common, deepseek, llama
+from model import common, deepseek, llama, quant
 from model.config import DeepSeekConfig, LlamaConfig
 from offload import policies
 
@@ -69,6 +69,7 @@ def train_step(state, batch, *, loss, optimizer, router_bias_rate=0.0):
         load = aux["expert_load"].astype(jnp.float32)
         metrics["expert_load_max_over_mean"] = (load.max(-1) / load.mean(-1)).max()
         metrics["balance_loss"] = aux["balance_loss"].mean()
+        metrics["expert_dropped"] = aux["expert_dropped"].sum() / load.sum()
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
@@ -112,26 +113,64 @@ def gpu_compiler_options(flags: dict[str, str]) -> dict:
     return {k: typed(v) for k, v in flags.items()}
 
 
-def forward_options(model, run: RunConfig) -> dict:
+def axis_rules(run: RunConfig, mesh) -> common.AxisRules:
+    rules = common.AxisRules(mesh=mesh)
+    return rules.expert_parallel() if run.expert_parallel else rules
+
+
+def forward_options(model, run: RunConfig, fsdp_devices: int) -> dict:
     """Backend-dependent forward arguments: the attention kernel (cuDNN's fused one on GPUs in
     bf16/fp16, XLA's elsewhere) and, for MoE models, how routed experts are computed (grouped
-    GEMMs on accelerators; every expert densely on CPUs, where ragged_dot is slow)."""
+    GEMMs on accelerators; every expert densely on CPUs, where ragged_dot is slow) and split
+    (over the fsdp devices, under expert parallelism)."""
     on_cpu = jax.default_backend() == "cpu"
     attention = run.attention
     if attention == "auto":
         fused = not on_cpu and run.compute_dtype in ("bfloat16", "float16")
         attention = "cudnn" if fused else "xla"
-    options = {"attention": None if attention == "xla" else attention}
+    options = {"attention": None if attention == "xla" else attention,
+               "quantization": quantization(run)}
     if isinstance(model, DeepSeekConfig):
         path = run.expert_path
         options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
+        options["expert_parallel"] = (deepseek.ExpertParallel(fsdp_devices, run.expert_capacity)
+                                      if run.expert_parallel else None)
     return options
 
 
-def make_loss(model, run: RunConfig, tables: dict | None, rules):
+def quantization(run: RunConfig) -> quant.Quantization | None:
+    """NVFP4 products on Blackwell's FP4 tensor cores (JAX's block-scaled dot, 1x16 blocks
+    only), else quantize-dequantize and a GEMM in the compute dtype."""
+    if run.quant == "none":
+        return None
+    two_d = run.quant_tiles == "16x16"
+    return quant.Quantization("scaled" if quant.blackwell() and not two_d else "dequantize",
+                              two_d)
+
+
+def quantization_problems(model, run: RunConfig) -> list[str]:
+    """Whether NVFP4 can encode every quantized matrix of `model` (dims multiples of 16),
+    found by tracing its forward on abstract values."""
+    if run.quant == "none":
+        return []
+    params = common.abstract_params(family(model).param_specs(model))
+    tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    forward = partial(family(model).forward, cfg=model, quantization=quantization(run))
+    try:
+        jax.eval_shape(forward, params, tokens)
+    except quant.QuantError as e:
+        return [f"quant={run.quant}: {e}"]
+    return []
+
+
+def make_loss(model, run: RunConfig, tables: dict | None, rules, fsdp_devices: int = 0):
+    """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
+    alone, which under expert parallelism needs the number of `fsdp_devices` it is one of."""
+    fsdp_devices = fsdp_devices or (rules.mesh.shape.get("fsdp", 1) if rules else 1)
     return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
                    rules=rules, dtype=jnp.dtype(run.compute_dtype),
-                   balance_weight=run.balance_loss_weight, **forward_options(model, run))
+                   balance_weight=run.balance_loss_weight,
+                   **forward_options(model, run, fsdp_devices))
 
 
 def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer):

@@ -17,8 +17,12 @@ ModelConfig = LlamaConfig | DeepSeekConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
-QUANTS = ("none",)  # NVFP4 weight quantization lands with its own issue
+QUANTS = ("none", "nvfp4")
+QUANT_TILES = ("1x16", "16x16")
 DEVICE_MEMORY_GB = {"gb200": 186, "b200": 180, "h200": 141, "h100": 80}  # per GPU, for --plan
+# Host memory per GPU in the usual system: a GB200 NVL72 Grace has 480 GB for its two GPUs; a
+# DGX B200 / H200 / H100 has 2 TB for eight.
+HOST_MEMORY_GB = {"gb200": 240, "b200": 256, "h200": 256, "h100": 256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,8 @@ class RunConfig:
     policy: str = "remat"  # a preset of offload.policies, or "none" (no checkpointing)
     placements: Mapping[str, str] = dataclasses.field(default_factory=dict)  # policy.<tag>=...
     xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
-    quant: str = "none"
+    quant: str = "none"  # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
+    quant_tiles: str = "1x16"  # weight block scales per 1x16 block or per 16x16 tile (TE)
     data: DataConfig = DataConfig()
     seed: int = 0
     scale: str = "auto"
@@ -75,6 +80,10 @@ class RunConfig:
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
+    expert_parallel: bool = False  # routed experts split over the fsdp devices
+    # Under expert parallelism, rows a device may send each other device, as a multiple of
+    # the balanced share; 0: room for the worst case (dropless). Pairs beyond it are dropped.
+    expert_capacity: float = 0.0
     router_bias_rate: float = 0.001  # aux-loss-free balancing step (DeepSeek-V3's gamma)
     balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3: 0.0001)
 
@@ -186,7 +195,7 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     """Every impossible combination for this many devices, one line each."""
     found = list(model.problems())
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": QUANTS, "device": tuple(DEVICE_MEMORY_GB),
+               "quant": QUANTS, "quant_tiles": QUANT_TILES, "device": tuple(DEVICE_MEMORY_GB),
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
@@ -208,6 +217,7 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     elif run.batch(n_devices) % (data * fsdp):
         found.append(f"global_batch={run.batch(n_devices)} is not divisible over the "
                      f"{data * fsdp} data x fsdp devices")
+    found += _expert_problems(model, run, fsdp)
     found += [f"xla_flags.{flag}: XLA flag names start with xla_"
               for flag in run.xla_flags if not flag.startswith("xla_")]
     opt = run.optimizer
@@ -217,6 +227,19 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     if not (0 <= opt.b1 < 1 and 0 <= opt.b2 < 1 and 0 <= opt.min_lr_ratio <= 1):
         found.append("optimizer: b1 and b2 must lie in [0, 1), min_lr_ratio in [0, 1]")
     return found
+
+
+def _expert_problems(model: ModelConfig, run: RunConfig, fsdp: int) -> list[str]:
+    if run.expert_capacity < 0:
+        return [f"expert_capacity={run.expert_capacity} must be 0 (dropless) or positive"]
+    if not run.expert_parallel:
+        return []
+    if not isinstance(model, DeepSeekConfig):
+        return ["expert_parallel=true needs a model with routed experts (DeepSeek)"]
+    if fsdp >= 1 and model.n_experts % fsdp:
+        return [f"expert_parallel: model.n_experts={model.n_experts} is not divisible over the "
+                f"fsdp={fsdp} devices"]
+    return []
 
 
 from configs import deepseek_v3, llama3  # noqa: E402,F401  (they register their experiments)

@@ -25,9 +25,10 @@ PROXY_405B = dataclasses.replace(LLAMA31_405B, **_PROXY, n_heads=16, n_kv_heads=
 # f32; the run header says so. Full scale computes in bf16, as the study did.
 PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig())
 
-# The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16.
+# The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16
+# activations, NVFP4 weights.
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
-                       compute_dtype="bfloat16")
+                       compute_dtype="bfloat16", quant="nvfp4")
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
 ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
@@ -49,11 +50,11 @@ register(
                policy="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
     Experiment("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)",
                LLAMA31_8B, PROXY_8B, dataclasses.replace(
-                   STUDY_405B, mesh=MeshConfig(fsdp=8), policy="qkv_offload",
+                   STUDY_405B, mesh=MeshConfig(fsdp=8), policy="qkv_offload", quant="none",
                    xla_flags={LHS: "true"}), PROXY_RUN),
     Experiment("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64",
                LLAMA31_70B, PROXY_70B, dataclasses.replace(
-                   STUDY_405B, mesh=MeshConfig(fsdp=64), policy="qkv_offload",
+                   STUDY_405B, mesh=MeshConfig(fsdp=64), policy="qkv_offload", quant="none",
                    xla_flags={LHS: "true"}), PROXY_RUN),
 )
 

@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jax.ad_checkpoint import checkpoint_name
 
+from model import quant
 from model.config import Llama3RopeScaling, YarnScaling
 
 MeshAxes = str | tuple[str, ...] | None
@@ -34,9 +35,15 @@ class AxisRules:
     mlp: MeshAxes = None
     latent: MeshAxes = None  # MLA's low-rank latents, as outputs
     lora: MeshAxes = "fsdp"  # the same latents as the input of the up-projections
-    experts: MeshAxes = None
+    experts: MeshAxes = None  # the expert axis of routed-expert weights
+    expert_embed: MeshAxes = "fsdp"  # their embed axis
     layers: MeshAxes = None
     mesh: Mesh | AbstractMesh | None = None  # abstract when exporting without devices
+
+    def expert_parallel(self) -> "AxisRules":
+        """Routed experts split over the fsdp devices, each whole on its device, instead of
+        FSDP-sharded and gathered for every layer."""
+        return dataclasses.replace(self, experts="fsdp", expert_embed=None)
 
     def sharding(self, logical: tuple[str | None, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical))
@@ -188,6 +195,29 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     return out[..., : out.shape[-1] - pad] if pad else out
 
 
+def layer_weights(w: dict, dtype, quantization: quant.Quantization | None, unquantized=()):
+    """A layer's weights as its forward uses them: in the compute dtype and, under
+    `quantization`, its matrices (but those named in `unquantized`) marked for NVFP4."""
+    def prepare(name: str, a: jax.Array):
+        a = a.astype(dtype)
+        if quantization is None or a.ndim < 2 or name in unquantized:
+            return a
+        return quant.NVFP4Weight(a, quantization)
+    return {name: prepare(name, a) for name, a in w.items()}
+
+
+def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
+    """x times a weight, as `jnp.einsum`; a weight marked NVFP4 is quantized in 16-blocks
+    along its last contracted axis (for "btnh,nhd->btd", h: blocks stay within a head)."""
+    if not isinstance(w, quant.NVFP4Weight):
+        return jnp.einsum(subscripts, x, w)
+    inputs, out = subscripts.split("->")
+    letters = inputs.split(",")[1]
+    axis = max(i for i, letter in enumerate(letters) if letter not in out)
+    return quant.nvfp4_einsum(subscripts, x, w.value, axis, w.quantization.two_d,
+                              w.quantization.path)
+
+
 def scan_layers(layer, x, stacked, policy, name: str):
     """Run `layer(x, w) -> (x, out)` over weights stacked on a leading layer axis, each layer
     under `jax.checkpoint(policy)` (none: no checkpointing), in a named scope that traces,
@@ -211,7 +241,7 @@ def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float, dtype
 
 def swiglu(h: jax.Array, w: dict) -> jax.Array:
     """The SwiGLU MLP down(silu(gate(h)) * up(h)), [B, T, D] -> [B, T, D], tagged."""
-    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
-    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
-    return checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]),
+    gate = checkpoint_name(einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
+    up = checkpoint_name(einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
+    return checkpoint_name(einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]),
                            "mlpwo")

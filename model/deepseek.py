@@ -6,6 +6,7 @@ Letters: B batch, T sequence, D d_model, N heads, R LoRA rank, E routed experts,
 V vocab. Tags use MaxText's names and positions.
 """
 
+import dataclasses
 import math
 from functools import partial
 
@@ -15,9 +16,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          param_count, rms_norm, rope_tables, scan_layers, stack, swiglu,
-                          unembed, yarn_attention_factor, yarn_frequencies, yarn_mscale)
+                          einsum, layer_weights, param_count, rms_norm, rope_tables, scan_layers,
+                          stack, swiglu, unembed, yarn_attention_factor, yarn_frequencies,
+                          yarn_mscale)
 from model.config import DeepSeekConfig
+from model.quant import Quantization
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm ignore the config's eps
 
@@ -54,11 +57,12 @@ def _mlp_specs(d_model: int, d_ff: int) -> dict:
 def _moe_specs(cfg: DeepSeekConfig) -> dict:
     D, E, F = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
     return {
-        "router": ParamSpec((D, E), ("embed", "experts"), D**-0.5),
-        "router_bias": ParamSpec((E,), ("experts",), 0.0),  # selection only; no gradient
-        "we_gate": ParamSpec((E, D, F), ("experts", "embed", "mlp"), D**-0.5),
-        "we_up": ParamSpec((E, D, F), ("experts", "embed", "mlp"), D**-0.5),
-        "we_down": ParamSpec((E, F, D), ("experts", "mlp", "embed"), F**-0.5),
+        # The router is small and every device routes its own tokens: not sharded by expert.
+        "router": ParamSpec((D, E), ("embed", None), D**-0.5),
+        "router_bias": ParamSpec((E,), (None,), 0.0),  # selection only; no gradient
+        "we_gate": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
+        "we_up": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
+        "we_down": ParamSpec((E, F, D), ("experts", "mlp", "expert_embed"), F**-0.5),
         **_mlp_specs(D, cfg.n_shared_experts * F),  # the shared experts, as one SwiGLU
     }
 
@@ -96,16 +100,16 @@ def _rope(x, cos, sin, interleave: bool):
 def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=None):
     """Multi-head latent attention, expanded as HF computes it: [B, T, D] -> [B, T, D]."""
     if cfg.q_lora_rank is None:
-        q = jnp.einsum("btd,dnh->btnh", x, w["wq"])
+        q = einsum("btd,dnh->btnh", x, w["wq"])
     else:
-        q_latent = checkpoint_name(jnp.einsum("btd,dr->btr", x, w["wq_a"]), "query_wa_proj")
+        q_latent = checkpoint_name(einsum("btd,dr->btr", x, w["wq_a"]), "query_wa_proj")
         q_latent = checkpoint_name(rms_norm(q_latent, w["q_norm"], LATENT_NORM_EPS), "mla_q")
-        q = jnp.einsum("btr,rnh->btnh", q_latent, w["wq_b"])
+        q = einsum("btr,rnh->btnh", q_latent, w["wq_b"])
     q_nope, q_rope = jnp.split(q, [cfg.qk_nope_dim], axis=-1)
-    kv_a = checkpoint_name(jnp.einsum("btd,dr->btr", x, w["wkv_a"]), "kv_wa_proj")
+    kv_a = checkpoint_name(einsum("btd,dr->btr", x, w["wkv_a"]), "kv_wa_proj")
     kv_latent, k_rope = jnp.split(kv_a, [cfg.kv_lora_rank], axis=-1)
     kv_latent = checkpoint_name(rms_norm(kv_latent, w["kv_norm"], LATENT_NORM_EPS), "mla_kv")
-    k_nope, v = jnp.split(jnp.einsum("btr,rnh->btnh", kv_latent, w["wkv_b"]),
+    k_nope, v = jnp.split(einsum("btr,rnh->btnh", kv_latent, w["wkv_b"]),
                           [cfg.qk_nope_dim], axis=-1)
     q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
     k_rope = _rope(k_rope[:, :, None, :], cos, sin, cfg.rope_interleave)  # one head, shared
@@ -117,7 +121,7 @@ def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=
     k = constrain(k, rules, ("batch", "seq", "heads", "head_dim"))
     attended = checkpoint_name(causal_attention(q, k, v, softmax_scale(cfg), attention),
                                "attention_out")
-    return checkpoint_name(jnp.einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
+    return checkpoint_name(einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
 
 
 def route(x, router, bias, cfg: DeepSeekConfig):
@@ -178,40 +182,106 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
 
 
 EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
+UNQUANTIZED = ("router", *EXPERT_WEIGHTS)  # matrices kept out of NVFP4
 
 
-def _routed(x, w, cfg: DeepSeekConfig, expert_path: str):
-    """Tokens x [B, T, D] through the router and their experts: (output, load [E], balance)."""
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Routed experts split over `devices` devices, E/devices each. Every device sends its
+    (token, expert) pairs, in one fixed-size block per device, to the devices holding those
+    experts and gets the outputs back (two all-to-alls). `capacity` sizes a block as a multiple
+    of the balanced share S*k/devices; 0 sizes it for the worst case, S*min(k, E/devices) rows:
+    dropless whatever the routing, at that much more memory."""
+    devices: int
+    capacity: float = 0.0
+
+    def block_rows(self, tokens: int, k: int, n_experts: int) -> int:
+        worst = tokens * min(k, n_experts // self.devices)
+        if not self.capacity:
+            return worst
+        return min(worst, math.ceil(self.capacity * tokens * k / self.devices))
+
+
+def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertParallel,
+                      expert_path: str, axis: str | None):
+    """Expert parallelism on one device: x [S, D] its tokens, w its E/P experts. Returns the
+    routed output [S, D] and how many (token, expert) pairs found their block full (dropped).
+    Without `axis` (one device's share traced alone, as the memory plan does) the exchange is
+    the identity: the same shapes, no communication."""
+    P, local = parallel.devices, n_experts // parallel.devices
+    (S, k), D = experts.shape, x.shape[1]
+    C = parallel.block_rows(S, k, n_experts)
+    order = jnp.argsort(experts.reshape(-1))  # pairs by expert, hence by destination
+    chosen = experts.reshape(-1)[order]
+    destination = chosen // local
+    per_destination = jnp.bincount(destination, length=P)
+    slot = jnp.arange(S * k) - (jnp.cumsum(per_destination) - per_destination)[destination]
+    send = jnp.zeros((P, C, D), x.dtype).at[destination, slot].set(x[order // k], mode="drop")
+    ids = jnp.full((P, C), local, jnp.int32).at[destination, slot].set(chosen % local,
+                                                                     mode="drop")
+    exchange = (lambda t: t) if axis is None else partial(
+        jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0)
+    rows, row_ids = exchange(send).reshape(P * C, D), exchange(ids).reshape(P * C, 1)
+    # Empty slots carry expert id `local`, which no expert matches: their output is zero.
+    out = EXPERT_PATHS[expert_path](rows, jnp.ones(row_ids.shape, jnp.float32), row_ids, w,
+                                    local)
+    back = exchange(out.reshape(P, C, D))
+    kept = slot < C
+    y = jnp.where(kept[:, None], back[destination, jnp.minimum(slot, C - 1)], 0)
+    y = (y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
+    return jnp.zeros_like(x).at[order // k].add(y), jnp.sum(~kept)
+
+
+def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParallel | None,
+            axis: str | None):
+    """Tokens x [B, T, D] through the router and their experts: (output, load [E], balance,
+    pairs dropped)."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     weights, experts, scores = route(tokens, w["router"], w["router_bias"], cfg)
-    routed = EXPERT_PATHS[expert_path](tokens, weights, experts, w, cfg.n_experts)
+    if parallel is None:
+        routed = EXPERT_PATHS[expert_path](tokens, weights, experts, w, cfg.n_experts)
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        routed, dropped = experts_exchanged(tokens, weights, experts, w, cfg.n_experts,
+                                            parallel, expert_path, axis)
     return (routed.reshape(B, T, D), jnp.bincount(experts.reshape(-1), length=cfg.n_experts),
-            balance_loss(scores, experts, B, cfg.n_experts))
+            balance_loss(scores, experts, B, cfg.n_experts), dropped)
 
 
 def _per_device(routed, rules: AxisRules):
-    """Run `routed` on each device's own tokens, with the expert weights gathered (FSDP):
-    without this, XLA gathers every token of the batch to route and sort them."""
+    """Run `routed` on each device's own tokens (without this, XLA gathers every token of the
+    batch to route and sort them). Expert weights arrive whole (FSDP) or, under expert
+    parallelism, as the device's own experts."""
     batch = rules.spec(("batch", None, None))
+    experts = rules.spec(("experts", None, None))
+    specs = {"router": PartitionSpec(), "router_bias": PartitionSpec(),
+             **{name: experts for name in EXPERT_WEIGHTS}}
 
     def local(x, w):
-        out, load, balance = routed(x, w)
-        return out, jax.lax.psum(load, batch[0]), jax.lax.pmean(balance, batch[0])
+        out, load, balance, dropped = routed(x, w)
+        return (out, jax.lax.psum(load, batch[0]), jax.lax.pmean(balance, batch[0]),
+                jax.lax.psum(dropped, batch[0]))
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(batch, PartitionSpec()),
-                         out_specs=(batch, PartitionSpec(), PartitionSpec()))
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(batch, specs),
+                         out_specs=(batch,) + (PartitionSpec(),) * 3)
 
 
-def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = None):
-    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E] and
-    the balance term."""
-    routed = partial(_routed, cfg=cfg, expert_path=expert_path)
+def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = None,
+        parallel: ExpertParallel | None = None):
+    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E], the
+    balance term and the (token, expert) pairs dropped for lack of room."""
+    if parallel is not None and rules is not None and not isinstance(rules.experts, str):
+        raise ValueError("expert parallelism needs the experts axis on one mesh axis")
+    routed = partial(_routed, cfg=cfg, expert_path=expert_path, parallel=parallel,
+                     axis=rules.experts if rules is not None else None)
     if rules is not None:
         routed = _per_device(routed, rules)
-    experts = {k: w[k] for k in ("router", "router_bias", "we_gate", "we_up", "we_down")}
-    out, load, balance = routed(x, experts)
-    return out + swiglu(x, w), {"expert_load": load, "balance_loss": balance}
+    experts = {k: w[k] for k in ("router", "router_bias", *EXPERT_WEIGHTS)}
+    out, load, balance, dropped = routed(x, experts)
+    return out + swiglu(x, w), {"expert_load": load, "balance_loss": balance,
+                                "expert_dropped": dropped}
 
 
 def _attention_half(x, w, cfg: DeepSeekConfig, cos, sin, rules, attention):
@@ -231,11 +301,13 @@ def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None)
 
 
 def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted",
-              attention=None):
-    """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar})."""
+              attention=None, parallel=None):
+    """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar,
+    "expert_dropped": pairs})."""
     x = _attention_half(x, w, cfg, cos, sin, rules, attention)
     with jax.named_scope("moe"):
-        out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path, rules)
+        out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path, rules,
+                         parallel)
         return constrain(x + out, rules, ("batch", "seq", None)), stats
 
 
@@ -252,23 +324,30 @@ SCANS = ("dense_layers", "moe_layers")  # parameter subtrees and named_scopes of
 
 
 def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
-            dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None):
+            dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
+            expert_parallel: ExpertParallel | None = None,
+            quantization: Quantization | None = None):
     """tokens [B, T] -> (logits [B, T, V] fp32, per MoE layer {"expert_load": tokens per
-    expert [L_moe, E], "balance_loss": [L_moe]}).
+    expert [L_moe, E], "balance_loss": [L_moe], "expert_dropped": [L_moe]}).
 
     `policies` maps a scan (SCANS) to the `jax.checkpoint` policy of each of its layers.
+    `expert_parallel` splits the routed experts over the devices of `rules.experts`.
+    `quantization` multiplies the attention, dense-MLP and shared-expert matrices in NVFP4;
+    the router and the routed experts (grouped GEMMs, as in MaxText's TE path) stay as they
+    are.
     """
     cos, sin = rope_for(cfg, tokens.shape[1], dtype)
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
                   ("batch", "seq", None))
 
     def dense_layer(x, w):
-        w = jax.tree.map(lambda a: a.astype(dtype), w)
+        w = layer_weights(w, dtype, quantization)
         return dense_block(x, w, cfg, cos, sin, rules, attention), None
 
     def moe_layer(x, w):
-        w = {k: a if k.startswith("router") else a.astype(dtype) for k, a in w.items()}
-        return moe_block(x, w, cfg, cos, sin, rules, expert_path, attention)
+        router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as HF routes
+        w = {**layer_weights(w, dtype, quantization, UNQUANTIZED), **router}
+        return moe_block(x, w, cfg, cos, sin, rules, expert_path, attention, expert_parallel)
 
     policies = policies or {}
     x, _ = scan_layers(dense_layer, x, params["dense_layers"], policies.get("dense_layers"),

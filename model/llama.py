@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          param_count, rms_norm, rope_frequencies, rope_tables, scan_layers,
-                          stack, swiglu, unembed)
+                          einsum, layer_weights, param_count, rms_norm, rope_frequencies,
+                          rope_tables, scan_layers, stack, swiglu, unembed)
+from model.quant import Quantization
 from model.config import LlamaConfig
 
 
@@ -41,9 +42,9 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
-        k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
-        v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+        q = einsum("btd,dnh->btnh", h, w["wq"])
+        k = einsum("btd,dkh->btkh", h, w["wk"])
+        v = einsum("btd,dkh->btkh", h, w["wv"])
         q = checkpoint_name(apply_rope(q, cos, sin), "query_proj")
         k = checkpoint_name(apply_rope(k, cos, sin), "key_proj")
         v = checkpoint_name(v, "value_proj")
@@ -52,7 +53,7 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
         v = constrain(v, rules, ("batch", "seq", "kv_heads", "head_dim"))
         attended = checkpoint_name(causal_attention(q, k, v, implementation=attention),
                                    "attention_out")
-        out = checkpoint_name(jnp.einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
+        out = checkpoint_name(einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
         x = constrain(x + out, rules, ("batch", "seq", None))
     with jax.named_scope("mlp"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
@@ -60,15 +61,18 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
 
 
 SCANS = ("layers",)  # the layer scan, named as its parameter subtree and its named_scope
+UNQUANTIZED = ()  # quant=nvfp4 multiplies every layer matrix in NVFP4
 
 
 def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
-            dtype=jnp.bfloat16, attention: str | None = None):
+            dtype=jnp.bfloat16, attention: str | None = None,
+            quantization: Quantization | None = None):
     """tokens [B, T] int -> (logits [B, T, V] fp32, {}).
 
     `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
     none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
-    `dtype` (the compute dtype) per layer. `attention` picks the attention kernel
+    `dtype` (the compute dtype) per layer and, under `quantization`, its matrices multiplied in
+    NVFP4 (embeddings and LM head stay as they are). `attention` picks the attention kernel
     (`causal_attention`).
     """
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
@@ -77,7 +81,7 @@ def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules
     x = constrain(x, rules, ("batch", "seq", None))
 
     def layer(x, w):
-        w = jax.tree.map(lambda a: a.astype(dtype), w)
+        w = layer_weights(w, dtype, quantization)
         return block(x, w, cfg, cos, sin, rules, attention), None
 
     x, _ = scan_layers(layer, x, params["layers"], (policies or {}).get("layers"), "layers")

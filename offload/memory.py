@@ -41,7 +41,9 @@ class MemoryPlan:
     layers: tuple[int, ...]  # the length of each layer scan
     layer_weights: int  # one layer's weights, whole (as all-gathered), in the compute dtype
     layer_grads: int  # one layer's weight gradients, whole, before the reduce-scatter
-    capacity: int
+    capacity: int  # device memory
+    host_capacity: int  # host memory per device
+    matrices: tuple[int, int] = (0, 0)  # quantizable layer matrices: compute dtype, NVFP4
 
     @property
     def device_activations(self) -> int:
@@ -65,6 +67,11 @@ class MemoryPlan:
     def peak_estimate(self) -> int:
         return (self.params + self.grads + self.optimizer + self.device_activations
                 + self.layer_working_set)
+
+    @property
+    def fits(self) -> bool:
+        return (self.peak_estimate <= self.capacity
+                and self.host_activations <= self.host_capacity)
 
 
 def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],

@@ -237,3 +237,21 @@ def test_the_exported_program_offloads_exactly_the_table_in_both_scans(preset):
                   if p == "offload"} - {(scan, "mlpwo") for scan in tables}
         assert {(x.value.scan, x.value.tag) for x in lines if x.offloaded} == wanted
         assert {x.value.tag for x in lines if not x.needed} == {"mlpwo"}
+
+
+def test_the_plan_shows_the_studys_deepseek_memory_facts():
+    """experiments.md, DeepSeek row 4 and its note: saving the selected activations on device
+    fits at micro batch 2, not at 8; offloading them fits at 8, with host memory to spare.
+    Full scale, 128 GB200s, experts split over the GPUs."""
+    import train
+    from configs import get
+    fits = {}
+    for name in ("deepseek671b-device", "deepseek671b-device-mb8", "deepseek671b-offload"):
+        experiment = get(name)
+        tables = policies.placement_tables(experiment.run.policy, {},
+                                           policies.SCAN_TAGS["deepseek"])
+        fits[name] = train.full_scale_plan(experiment, tables)
+    assert fits["deepseek671b-device"].fits
+    assert fits["deepseek671b-device-mb8"].peak_estimate > fits["deepseek671b-device-mb8"].capacity
+    offload = fits["deepseek671b-offload"]
+    assert offload.fits and offload.host_activations > 100 * 2**30

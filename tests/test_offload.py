@@ -50,7 +50,7 @@ def test_the_study_memory_facts_for_llama405b_offload():
     experiment = configs.get("llama405b-offload")
     table = policies.placement_tables(experiment.run.policy, {}, policies.SCAN_TAGS["llama"])
     memory = plan.Program(experiment.model, experiment.run, table, (1, 128)).memory_plan(
-        186 * 10**9)
+        186 * 10**9, 240 * 10**9)
     per_layer = {line.value.tag: line.value.nbytes for line in memory.tags if line.offloaded}
     assert per_layer == {"query_proj": 512 * MiB, "key_proj": 32 * MiB, "value_proj": 32 * MiB}
     assert memory.host_activations == 126 * 576 * MiB
@@ -65,7 +65,7 @@ def test_the_baseline_offloads_nothing_and_stores_nothing_on_host():
     experiment = configs.get("llama405b-baseline")
     table = policies.placement_tables(experiment.run.policy, {}, policies.SCAN_TAGS["llama"])
     memory = plan.Program(experiment.model, experiment.run, table, (1, 128)).memory_plan(
-        186 * 10**9)
+        186 * 10**9, 240 * 10**9)
     assert memory.host_activations == 0
     assert not any(line.offloaded for line in memory.tags)
 

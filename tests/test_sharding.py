@@ -1,15 +1,17 @@
-"""FSDP over 8 devices computes what one device computes."""
+"""FSDP and expert parallelism over 8 devices compute what one device computes."""
 
+import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import training
-from configs import OptimizerConfig
-from model import common, llama
-from model.config import LlamaConfig
+from configs import OptimizerConfig, RunConfig
+from model import common, deepseek, llama
+from model.config import DeepSeekConfig, LlamaConfig, YarnScaling
 from offload import policies
 
 # Every sharded dimension (embed 64) and the batch (8) divide over 8 devices.
@@ -47,34 +49,82 @@ def test_fsdp_over_8_devices_equals_one_device():
                  sharded, reference)
 
 
-def test_deepseek_over_8_devices_equals_one_device():
-    """MoE layers route each device's own tokens (shard_map): the loss, the expert loads and
-    the gradients still equal the single-device ones."""
-    import dataclasses
-    from configs import RunConfig
-    from model import deepseek
-    from model.config import DeepSeekConfig, YarnScaling
-    cfg = DeepSeekConfig(vocab=64, d_model=64, n_layers=3, n_dense_layers=1, n_heads=2,
-                         q_lora_rank=16, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
-                         v_head_dim=8, d_ff=48, moe_d_ff=16, n_experts=8, experts_per_token=2,
-                         n_shared_experts=1, n_groups=4, topk_groups=2, routed_scaling=2.5,
-                         rope_scaling=YarnScaling(factor=4.0, original_max_position=64))
-    specs = deepseek.param_specs(cfg)
+DEEPSEEK = DeepSeekConfig(vocab=64, d_model=64, n_layers=3, n_dense_layers=1, n_heads=2,
+                          q_lora_rank=16, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
+                          v_head_dim=8, d_ff=48, moe_d_ff=16, n_experts=16, experts_per_token=3,
+                          n_shared_experts=1, n_groups=4, topk_groups=2, routed_scaling=2.5,
+                          rope_scaling=YarnScaling(factor=4.0, original_max_position=64))
+
+
+@pytest.mark.parametrize("expert_path", list(deepseek.EXPERT_PATHS))
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel):
+    """MoE layers route each device's own tokens (shard_map), with the experts gathered (FSDP)
+    or split over the devices (expert parallelism, dropless blocks), under the DeepSeek offload
+    policy (what it does not save, exchanges included, is recomputed): the loss, the expert
+    loads and the gradients equal those of one device without checkpointing; nothing is
+    dropped."""
+    specs = deepseek.param_specs(DEEPSEEK)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     eight = common.make_mesh((1, 8), ("data", "fsdp"))
     params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
-    batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, cfg.vocab))
-    for path in deepseek.EXPERT_PATHS:
-        run = dataclasses.replace(RunConfig(compute_dtype="float32"), expert_path=path)
+    batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, DEEPSEEK.vocab))
+    run = RunConfig(compute_dtype="float32", expert_path=expert_path,
+                    expert_parallel=expert_parallel)
 
-        def loss_and_grads(params, batch, rules):
-            loss = training.make_loss(cfg, run, None, rules)
-            return jax.value_and_grad(loss, has_aux=True)(params, batch)
+    def loss_and_grads(params, batch, rules, run, tables):
+        loss = training.make_loss(DEEPSEEK, run, tables, rules)
+        return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
-        reference = jax.jit(partial(loss_and_grads, rules=None))(params, batch)
-        rules = common.AxisRules(mesh=eight)
-        sharded = jax.jit(partial(loss_and_grads, rules=rules))(
-            jax.device_put(params, common.param_shardings(specs, rules)),
-            jax.device_put(batch, rules.sharding(("batch", None))))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
-                     sharded, reference)
+    reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
+                                run=dataclasses.replace(run, expert_parallel=False)))(
+        params, batch)
+    rules = training.axis_rules(run, eight)
+    tables = policies.placement_tables("dsv3_offload", {}, policies.SCAN_TAGS["deepseek"])
+    sharded = jax.jit(partial(loss_and_grads, rules=rules, run=run, tables=tables))(
+        jax.device_put(params, common.param_shardings(specs, rules)),
+        jax.device_put(batch, rules.sharding(("batch", None))))
+    assert sharded[0][1]["expert_dropped"].sum() == 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+                 sharded, reference)
+
+
+def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
+    """Expert parallelism with small blocks, against float64 numpy: per device, (token,
+    expert) pairs in expert order (ties by token, then choice) fill each destination's block of
+    C rows; the rest are dropped and add nothing; every kept pair is computed exactly."""
+    cfg, devices, capacity = DEEPSEEK, 8, 0.5
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
+    layer = jax.tree.map(lambda s: rng.normal(scale=0.2, size=s.shape[1:]).astype(np.float32),
+                         deepseek.param_specs(cfg)["moe_layers"],
+                         is_leaf=lambda s: isinstance(s, common.ParamSpec))
+    rules = common.AxisRules(mesh=common.make_mesh((1, devices), ("data", "fsdp")))
+    rules = rules.expert_parallel()
+    parallel = deepseek.ExpertParallel(devices, capacity)
+    out, stats = jax.jit(partial(deepseek.moe, cfg=cfg, expert_path="dense", rules=rules,
+                                 parallel=parallel))(x, layer)
+    weights, experts, _ = deepseek.route(x.reshape(-1, cfg.d_model), layer["router"],
+                                         layer["router_bias"], cfg)
+    weights, experts = np.asarray(weights).reshape(8, 6, -1), np.asarray(experts).reshape(8, 6, -1)
+    k, local = cfg.experts_per_token, cfg.n_experts // devices
+    room = parallel.block_rows(6, k, cfg.n_experts)
+    assert room < 6 * min(k, local)  # small enough to drop
+    w64 = {name: np.asarray(a, np.float64) for name, a in layer.items()}
+    want, dropped = np.zeros(x.shape), 0
+    for d in range(devices):
+        pairs = sorted((experts[d, t, j], t, j) for t in range(6) for j in range(k))
+        used = np.zeros(devices, int)
+        for e, t, j in pairs:
+            if used[e // local] == room:
+                dropped += 1
+                continue
+            used[e // local] += 1
+            h = x[d, t].astype(np.float64)
+            gate, up = h @ w64["we_gate"][e], h @ w64["we_up"][e]
+            want[d, t] += weights[d, t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w64["we_down"][e])
+        h = x[d].astype(np.float64)
+        gate, up = h @ w64["w_gate"], h @ w64["w_up"]
+        want[d] += (gate / (1 + np.exp(-gate)) * up) @ w64["w_down"]
+    assert dropped > 0 and int(stats["expert_dropped"]) == dropped
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,210 @@
+"""NVFP4 weights: E2M1 codes, one E4M3 scale per 16 elements, one FP32 scale per tensor.
+
+The encoding is Transformer Engine's quantize kernel (`core_nvfp4.cuh`), in FP32:
+  S_enc = 2688 / amax (448 * 6: the largest E4M3 scale times the largest E2M1 code),
+  block scale = e4m3(min(block_amax * (S_enc * (1/6)), 448)), rounded to nearest even,
+  code = e2m1(clip(x * min(1 / (block scale * S_dec), FLT_MAX), -6, 6)), S_dec = 1 / S_enc,
+so x ~ code * block scale * S_dec. Blocks run along the contraction axis (`axis`), because
+a block-scaled GEMM multiplies 16-element slices of K. TE's weight recipe takes one scale per
+16x16 tile (`two_d`), so that W and W^T quantize to the same values.
+"""
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+class QuantError(ValueError):
+    """A weight NVFP4 cannot encode (a dimension that is not a multiple of 16)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """How a model's layer matrices are multiplied in NVFP4 (see `nvfp4_einsum`): `path`
+    "dequantize" (any backend) or "scaled" (Blackwell); `two_d`: 16x16 weight tiles."""
+    path: str = "dequantize"
+    two_d: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Weight:
+    """A layer weight in the compute dtype, marked to be multiplied in NVFP4."""
+    value: jax.Array
+    quantization: Quantization = dataclasses.field(metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """A quantized weight; `dequantize` gives it back.
+
+    `block_scales` has the weight's shape with `axis` divided by 16: one scale per 16-element
+    block, also with 16x16 tiles, where the 16 rows of a tile repeat its scale. That is the
+    per-row layout a block-scaled GEMM reads, and dequantize needs no case for tiles.
+    """
+    codes: jax.Array  # float4_e2m1fn, the weight's shape
+    block_scales: jax.Array  # float8_e4m3fn
+    tensor_scale: jax.Array  # f32 scalar, S_dec ~ amax / 2688
+    axis: int = dataclasses.field(metadata={"static": True})
+    two_d: bool = dataclasses.field(metadata={"static": True})
+
+
+def _tile_axis(ndim: int, axis: int) -> int:
+    """The second axis of a 16x16 tile: the last axis that is not `axis`."""
+    return ndim - 1 if axis != ndim - 1 else ndim - 2
+
+
+def _checked_axis(shape: tuple[int, ...], axis: int, two_d: bool) -> int:
+    """`axis` made non-negative, after checking that the blocks (or tiles) divide the shape."""
+    if two_d and len(shape) < 2:
+        raise QuantError(f"16x16 NVFP4 tiles need a 2-D or larger weight, got shape {shape}")
+    axis = range(len(shape))[axis]
+    for a in (axis, _tile_axis(len(shape), axis)) if two_d else (axis,):
+        if shape[a] % BLOCK:
+            raise QuantError(f"NVFP4 needs axis {a} of shape {shape} to be a multiple of {BLOCK}")
+    return axis
+
+
+def _split(x: jax.Array, axis: int) -> jax.Array:
+    """Split `axis` into (blocks, 16): the block's elements are then on axis + 1."""
+    return x.reshape(x.shape[:axis] + (x.shape[axis] // BLOCK, BLOCK) + x.shape[axis + 1:])
+
+
+def _encode_scale(x: jax.Array) -> jax.Array:
+    """S_enc = 2688 / amax (f32 scalar), at most FLT_MAX; 1 when amax is 0, inf or NaN."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    s_enc = jnp.minimum(E4M3_MAX * E2M1_MAX / amax, FLT_MAX)
+    return jnp.where((amax == 0) | (s_enc == 0) | jnp.isnan(s_enc), 1.0, s_enc)
+
+
+def tensor_scale(x: jax.Array) -> jax.Array:
+    """S_dec = 1 / S_enc ~ amax / 2688, the per-tensor scale of `quantize(x)`."""
+    return 1 / _encode_scale(x)
+
+
+def _block_amax(x: jax.Array, axis: int, two_d: bool) -> jax.Array:
+    """Max |x| per 16-element block along `axis`; with `two_d`, per 16x16 tile, repeated."""
+    amax = jnp.max(jnp.abs(_split(x, axis)), axis=axis + 1)
+    if not two_d:
+        return amax
+    rows = _split(amax, _tile_axis(x.ndim, axis))
+    tiles = jnp.max(rows, axis=_tile_axis(x.ndim, axis) + 1, keepdims=True)
+    return jnp.broadcast_to(tiles, rows.shape).reshape(amax.shape)
+
+
+def quantize(w: jax.Array, axis: int, two_d: bool = False) -> NVFP4Tensor:
+    """NVFP4 encoding of `w` (any float dtype, computed in f32), 16-blocks along `axis`."""
+    axis = _checked_axis(w.shape, axis, two_d)
+    x = w.astype(jnp.float32)
+    s_enc = _encode_scale(x)
+    s_dec = 1 / s_enc
+    scale = _block_amax(x, axis, two_d) * (s_enc * (1 / E2M1_MAX))
+    # E4M3 has no inf: anything above 464 would cast to NaN.
+    scales = jnp.minimum(scale, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    # Codes use the rounded scale. Without the barrier XLA may drop the f32->f8->f32 round
+    # trip (xla_allow_excess_precision) and encode with the unrounded one.
+    rounded = jax.lax.optimization_barrier(scales).astype(jnp.float32)
+    # A zero block has scale 0: 1/0 = inf would give 0 * inf = NaN, FLT_MAX gives 0.
+    encode = jnp.minimum(1 / (rounded * s_dec), FLT_MAX)
+    codes = jnp.clip(_split(x, axis) * jnp.expand_dims(encode, axis + 1), -E2M1_MAX, E2M1_MAX)
+    return NVFP4Tensor(codes.astype(jnp.float4_e2m1fn).reshape(w.shape), scales, s_dec, axis,
+                       two_d)
+
+
+def dequantize(q: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
+    """codes * block scale * tensor scale, in f32, then cast to `dtype`."""
+    codes = _split(q.codes.astype(jnp.float32), q.axis)
+    scales = jnp.expand_dims(q.block_scales.astype(jnp.float32), q.axis + 1)
+    return (codes * scales * q.tensor_scale).reshape(q.codes.shape).astype(dtype)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def fake_quantize(w: jax.Array, axis: int, two_d: bool = False) -> jax.Array:
+    """dequantize(quantize(w)) in w's dtype, with a straight-through gradient (identity).
+
+    A custom_jvp rather than w + stop_gradient(q - w): the value is exactly the dequantized
+    weight (w + (q - w) can round differently) and no residual is kept for the backward pass.
+    """
+    return dequantize(quantize(w, axis, two_d), w.dtype)
+
+
+@fake_quantize.defjvp
+def _straight_through(axis, two_d, primals, tangents):
+    (w,), (dw,) = primals, tangents
+    return fake_quantize(w, axis, two_d), dw
+
+
+def nvfp4_bytes(shape: tuple[int, ...], axis: int, two_d: bool = False) -> int:
+    """Bytes of `quantize`'s arrays as XLA stores them: E2M1 packed two per byte (which
+    `Array.nbytes` reports as one byte each), one byte per block scale, 4 for the tensor scale."""
+    q = jax.eval_shape(partial(quantize, axis=axis, two_d=two_d),
+                       jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+    return sum(math.prod(a.shape) * jax.dtypes.itemsize_bits(a.dtype) // 8
+               for a in jax.tree.leaves(q))
+
+
+def blackwell() -> bool:
+    """Whether the default device is a compute-capability 10.x GPU (B200, GB200, B300), where
+    XLA runs the block-scaled dot on FP4 tensor cores. Other GPUs expand it into a dequantize
+    and an f32 dot; CPUs cannot lower it at all."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return capability is not None and str(capability).split(".")[0] == "10"
+
+
+def nvfp4_einsum(subscripts: str, x: jax.Array, w: jax.Array, axis: int, two_d: bool = False,
+                 path: str = "dequantize") -> jax.Array:
+    """Two-operand einsum with `w` (16-blocks along its contraction `axis`) in NVFP4.
+
+    "dequantize": fake_quantize(w) then an ordinary einsum in x's dtype; x stays as it is.
+    "scaled" (Blackwell): JAX's block-scaled dot, which quantizes *both* operands 1x16 along
+    their flattened contraction dims with its own numerics (x / global scale, x / block scale),
+    so `axis` and `two_d` do not apply. Its backward is two dots of the unquantized operands,
+    zeroed where |operand| > 2688 * global scale.
+    """
+    if path == "dequantize":
+        return jnp.einsum(subscripts, x, fake_quantize(w, axis, two_d).astype(x.dtype))
+    if path == "scaled":
+        return _scaled_einsum(subscripts, x, w.astype(x.dtype))
+    raise ValueError(f"unknown NVFP4 einsum path {path!r}: 'dequantize' or 'scaled'")
+
+
+def _dot_general_plan(subscripts: str):
+    """einsum subscripts -> (dot_general dimension numbers, the permutation from dot_general's
+    (batch, lhs free, rhs free) order to the output's)."""
+    inputs, out = subscripts.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contract = [c for c in lhs if c in rhs and c not in out]
+    batch = [c for c in lhs if c in rhs and c in out]
+    result = batch + [c for c in lhs if c not in rhs] + [c for c in rhs if c not in lhs]
+    if sorted(result) != sorted(out):
+        raise ValueError(f"{subscripts!r}: every letter of one operand must be in the output")
+    dims = ((tuple(map(lhs.index, contract)), tuple(map(rhs.index, contract))),
+            (tuple(map(lhs.index, batch)), tuple(map(rhs.index, batch))))
+    return dims, tuple(map(result.index, out))
+
+
+def _scaled_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    dims, order = _dot_general_plan(subscripts)
+    contraction = math.prod(x.shape[d] for d in dims[0][0])
+    if contraction % BLOCK:
+        raise QuantError(f"{subscripts!r}: contraction size {contraction} is not a multiple "
+                         f"of {BLOCK}")
+    # Scalar global scales, not the documented shape (1,): JAX's kernel broadcasts them
+    # against the operands, which for (1,) is rank promotion, an error under
+    # jax_numpy_rank_promotion="raise". stop_gradient: a traced global scale inside the
+    # config (not a pytree) breaks JAX's custom_vjp under grad.
+    configs = [jax.nn.get_scaled_dot_general_config(
+        "nvfp4", global_scale=jax.lax.stop_gradient(tensor_scale(a))) for a in (x, w)]
+    configs.append(jax.nn.get_scaled_dot_general_config("nvfp4"))  # backward: mode only
+    out = jax.nn.scaled_dot_general(x, w, dims, preferred_element_type=x.dtype, configs=configs)
+    return jnp.transpose(out, order)

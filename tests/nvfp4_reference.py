@@ -1,0 +1,81 @@
+"""An NVFP4 encoder written from the format description alone, to check model/quant.py against.
+
+Float64 numpy, no JAX. The format is defined in FP32 arithmetic (Transformer Engine's kernel),
+so every arithmetic step is rounded to float32 (`f32`): float64 has more than twice float32's
+precision, so one float64 operation rounded to float32 equals the float32 operation. Rounding
+to E2M1 and E4M3 is done here on their grids; a test checks it against ml_dtypes.
+"""
+
+import numpy as np
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def f32(x):
+    """Round float64 values to float32 and back (overflow gives inf, as in float32)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
+
+
+def round_to_format(x, mantissa_bits: int, min_exponent: int):
+    """Round to nearest, ties to even, onto a binary float format with `mantissa_bits` stored
+    bits and normal exponents from `min_exponent` (subnormals below). No overflow handling."""
+    magnitude = np.abs(x)
+    _, exponent = np.frexp(magnitude)  # magnitude = m * 2**exponent, m in [0.5, 1)
+    quantum = np.ldexp(1.0, np.maximum(exponent - 1, min_exponent) - mantissa_bits)
+    # magnitude / quantum is exact (a power of two); rint breaks ties to the even integer,
+    # which is the value whose last mantissa bit is 0.
+    return np.sign(x) * np.rint(magnitude / quantum) * quantum
+
+
+def to_e2m1(x):
+    """E2M1: 1 mantissa bit, exponents from 0 (0.5 is the subnormal): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    return round_to_format(x, mantissa_bits=1, min_exponent=0)
+
+
+def to_e4m3(x):
+    """E4M3 (fn): 3 mantissa bits, exponents from -6, subnormal steps of 2**-9, max 448."""
+    return round_to_format(x, mantissa_bits=3, min_exponent=-6)
+
+
+def tile_axis(ndim: int, axis: int) -> int:
+    return max(a for a in range(ndim) if a != axis)
+
+
+def encode(w, axis: int, two_d: bool = False):
+    """NVFP4 of `w` -> (codes, block_scales, tensor_scale), all float64 values.
+
+    codes have w's shape; block_scales have w's shape with `axis` divided by 16 (one per
+    16 elements along `axis`; with `two_d`, one per 16x16 tile, repeated over its rows).
+    """
+    x = f32(w)
+    axis %= x.ndim
+    amax = np.max(np.abs(x))
+    with np.errstate(divide="ignore"):
+        s_enc = min(f32(2688.0 / amax), FLT_MAX)
+    if amax == 0 or s_enc == 0:
+        s_enc = 1.0
+    s_dec = f32(1.0 / s_enc)
+
+    axes = [tile_axis(x.ndim, axis), axis] if two_d else [axis]
+    moved = np.moveaxis(x, axes, list(range(-len(axes), 0)))  # [..., (tile rows,) K]
+    blocks = moved.reshape(moved.shape[:-1] + (-1, 16))
+    block_amax = np.max(np.abs(blocks), axis=-1)
+    if two_d:
+        rows = block_amax.reshape(block_amax.shape[:-2] + (-1, 16, block_amax.shape[-1]))
+        tile_amax = np.max(rows, axis=-2, keepdims=True)
+        block_amax = np.broadcast_to(tile_amax, rows.shape).reshape(block_amax.shape)
+
+    scales = to_e4m3(np.minimum(f32(block_amax * f32(s_enc * f32(1 / 6))), 448.0))
+    with np.errstate(divide="ignore"):
+        encode_scale = np.minimum(f32(1.0 / f32(scales * s_dec)), FLT_MAX)
+    codes = to_e2m1(np.clip(f32(blocks * encode_scale[..., None]), -6.0, 6.0))
+
+    codes = np.moveaxis(codes.reshape(moved.shape), list(range(-len(axes), 0)), axes)
+    scales = np.moveaxis(scales, list(range(-len(axes), 0)), axes)
+    return codes, scales, s_dec
+
+
+def dequantize(codes, scales, tensor_scale, axis: int):
+    """codes * block scale * tensor scale in float64."""
+    return codes * np.repeat(scales, 16, axis=axis) * tensor_scale
