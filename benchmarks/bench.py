@@ -6,6 +6,7 @@ Figures are ratios within one run on whatever machine runs this (noisy if shared
 model FLOP rate (MaxText's count, no recompute) over the rate of a large f32 matmul.
 """
 
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -13,8 +14,10 @@ import time
 from functools import partial
 from pathlib import Path
 
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,12 +45,16 @@ def matmul_ceiling(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / timed(jax.jit(jnp.matmul), a, b, repeats=repeats)
 
 
+def proxy_params(model):
+    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    return common.init_params(training.family(model).param_specs(model),
+                              common.AxisRules(mesh=mesh), jax.random.key(0))
+
+
 def step_time(model, run, policy_name: str, repeats: int) -> float:
     tables = None if policy_name == policies.NO_CHECKPOINT else policies.placement_tables(
         policy_name, {}, training.scan_tags(model))
-    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(training.family(model).param_specs(model),
-                                common.AxisRules(mesh=mesh), jax.random.key(0))
+    params = proxy_params(model)
     optimizer = training.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     loss = training.make_loss(model, run, tables, rules=None)
@@ -76,11 +83,48 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
         rate = flops / seconds
         print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
               f"{seconds / times['remat']:>10.2f}")
+    if run.quant != "none":
+        nvfp4_costs(model, run, repeats)
     started = time.perf_counter()
     subprocess.run([sys.executable, "train.py", name, "--plan"], check=True,
                    stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
     print(f"full-scale plan (python train.py {name} --plan, a fresh process): "
           f"{time.perf_counter() - started:.1f} s")
+
+
+QUANT_ROWS = {"none": dict(quant="none"), "nvfp4 1x16": dict(quant="nvfp4", quant_tiles="1x16"),
+              "nvfp4 16x16": dict(quant="nvfp4", quant_tiles="16x16")}
+
+
+def nvfp4_costs(model, run, repeats: int) -> None:
+    """What fake quantization costs a proxy step, and how far it moves the logits of the
+    same (random) weights from unquantized bf16 ones."""
+    times = {row: step_time(model, dataclasses.replace(run, **changes), run.policy, repeats)
+             for row, changes in QUANT_ROWS.items()}
+    params = proxy_params(model)
+    tokens = jnp.asarray(SyntheticTokens(model.vocab, 1).batch(0, run.per_device_batch,
+                                                              run.seq)[:, :-1])
+
+    def logits(dtype, changes):
+        quantization = training.quantization(dataclasses.replace(run, **changes))
+        return np.asarray(jax.jit(partial(training.family(model).forward, cfg=model,
+                                          dtype=dtype, quantization=quantization))(
+            params, tokens)[0], np.float64)
+
+    reference = logits(jnp.bfloat16, QUANT_ROWS["none"])
+    errors = {"none, f32": logits(jnp.float32, QUANT_ROWS["none"])}
+    errors.update({f"{row}, bf16": logits(jnp.bfloat16, changes)
+                   for row, changes in QUANT_ROWS.items() if row != "none"})
+    print(f"NVFP4 weights, policy {run.policy} (the quantize-dequantize accuracy path):")
+    print(f"{'quant':<14}{'step ms':>9}{'vs none':>10}")
+    for row, seconds in times.items():
+        print(f"{row:<14}{seconds * 1e3:>9.1f}{seconds / times['none']:>10.2f}")
+    print(f"logits against unquantized bf16 logits (random init, {tokens.size} tokens):")
+    print(f"{'weights, compute':<20}{'rel. error':>12}{'max |diff| / max |logit|':>28}")
+    for row, values in errors.items():
+        diff = values - reference
+        print(f"{row:<20}{np.linalg.norm(diff) / np.linalg.norm(reference):>12.4f}"
+              f"{np.abs(diff).max() / np.abs(reference).max():>28.4f}")
 
 
 def main(argv: list[str]) -> None:

@@ -4,8 +4,9 @@
     python benchmarks/gpu_check.py --smoke   tiny shapes on any backend (the CPU test of this)
 
 1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
-   #46231): for each row's policy and XLA flags, loss and gradients at f32 / highest matmul
-   precision against no checkpointing, over several scanned layers.
+   #46231): for each row's policy, XLA flags and NVFP4 weights, loss and gradients at f32 /
+   highest matmul precision against no checkpointing, over several scanned layers; NVFP4
+   logits on this backend against the CPU's (and the FP4 scaled-dot path on Blackwell).
 2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
    proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:
    step time (forward + backward), TFLOP/s/device by MaxText's formula, peak device memory,
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import configs  # noqa: E402
 import training  # noqa: E402
-from model import common, llama  # noqa: E402
+from model import common, llama, quant  # noqa: E402
 from offload import policies  # noqa: E402
 
 ROWS = configs.COMPARISONS["llama405b-compare"]
@@ -38,13 +39,15 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
                             d_model=128, n_layers=3, n_heads=4, head_dim=32, d_ff=416)
 
 
-def value_and_grad_fn(model, tables, dtype, flags):
-    """Forward + backward as a run computes it: cuDNN's fused attention on a GPU in bf16."""
+def value_and_grad_fn(model, tables, dtype, run):
+    """Forward + backward as a run computes it: cuDNN's fused attention on a GPU in bf16,
+    the run's weight quantization."""
     on_gpu = jax.default_backend() == "gpu"
     fused = on_gpu and dtype == jnp.bfloat16
     loss = partial(training.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
-                   rules=None, dtype=dtype, attention="cudnn" if fused else None)
-    options = training.gpu_compiler_options(flags) if on_gpu else None
+                   rules=None, dtype=dtype, attention="cudnn" if fused else None,
+                   quantization=training.quantization(run))
+    options = training.gpu_compiler_options(run.xla_flags) if on_gpu else None
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]), compiler_options=options)
 
 
@@ -67,11 +70,13 @@ def check_gradients(smoke: bool) -> list[dict]:
     params = random_params(model, jnp.float32)
     batch = jax.random.randint(jax.random.key(1), (2, 65 if smoke else 1025), 0, model.vocab)
     with jax.default_matmul_precision("highest"):
-        ref_loss, ref_grads = value_and_grad_fn(model, None, jnp.float32, {})(params, batch)
         results = []
         for name in ROWS:
             run = configs.get(name).run
-            loss, grads = value_and_grad_fn(model, row_tables(name), jnp.float32, run.xla_flags)(
+            reference = dataclasses.replace(run, xla_flags={})
+            ref_loss, ref_grads = value_and_grad_fn(model, None, jnp.float32, reference)(
+                params, batch)
+            loss, grads = value_and_grad_fn(model, row_tables(name), jnp.float32, run)(
                 params, batch)
             scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
             error = max(float(jnp.abs(a - b).max()) for a, b in
@@ -90,7 +95,7 @@ def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
     dtype = jnp.float32 if smoke else jnp.bfloat16
     params = random_params(model, dtype)
     batch = jax.random.randint(jax.random.key(1), (batch_size, seq + 1), 0, model.vocab)
-    fn = value_and_grad_fn(model, row_tables(name), dtype, run.xla_flags)
+    fn = value_and_grad_fn(model, row_tables(name), dtype, run)
     started = time.perf_counter()
     compiled = fn.lower(params, batch).compile()
     compile_s = time.perf_counter() - started
@@ -110,6 +115,33 @@ def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
             "device_temp_gib": getattr(analysis, "temp_size_in_bytes", 0) / 2**30}
 
 
+def check_nvfp4() -> list[str]:
+    """NVFP4 logits of the small model: the dequantize path on this backend against the CPU's,
+    in f32 at highest precision; on a Blackwell GPU also the FP4 scaled-dot path (which
+    quantizes activations too, so it is compared, not expected equal)."""
+    params = random_params(SMOKE, jnp.float32)
+    tokens = jax.random.randint(jax.random.key(2), (2, 64), 0, SMOKE.vocab)
+    cpu = jax.devices("cpu")[0]
+
+    def logits(path, dtype, device=None):
+        forward = partial(llama.forward, cfg=SMOKE, dtype=dtype,
+                          quantization=quant.Quantization(path))
+        args = jax.device_put((params, tokens), device) if device else (params, tokens)
+        return np.asarray(jax.jit(forward)(*args)[0], np.float64)
+
+    with jax.default_matmul_precision("highest"):
+        here, there = logits("dequantize", jnp.float32), logits("dequantize", jnp.float32, cpu)
+    scale = np.abs(there).max()
+    lines = [f"nvfp4 dequantize path, {jax.default_backend()} vs cpu: max|diff| "
+             f"{np.abs(here - there).max() / scale:.2e} of max|logit|  "
+             f"{'OK' if np.abs(here - there).max() <= 1e-5 * scale else 'WRONG'}"]
+    if quant.blackwell():
+        scaled, dequantized = logits("scaled", jnp.bfloat16), logits("dequantize", jnp.bfloat16)
+        lines.append(f"nvfp4 scaled (FP4 tensor cores) vs dequantize path, bf16: rel. error "
+                     f"{np.linalg.norm(scaled - dequantized) / np.linalg.norm(dequantized):.3f}")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
     if "--row" in argv:
@@ -122,6 +154,8 @@ def main(argv: list[str]) -> int:
         print(f"gradients {r['row']:<30} max|diff| {r['grad_max_abs_diff']:.3e} "
               f"({r['grad_rel']:.2e} of max|grad|), loss diff {r['loss_diff']:.2e}  "
               f"{'OK' if r['ok'] else 'WRONG'}")
+    nvfp4 = check_nvfp4()
+    print("\n".join(nvfp4))
     rows = []
     for name in ROWS:
         args = [sys.executable, __file__, "--row", name] + (["--smoke"] if smoke else [])
@@ -134,7 +168,7 @@ def main(argv: list[str]) -> int:
         print(f"{r['row']:<30}" + "".join(f"{r[k]:>18.2f}" for k in keys))
     print(f"(L={rows[0]['layers']}, seq {rows[0]['seq']}, batch {rows[0]['batch']}; forward + "
           "backward, no optimizer; TFLOP/s by MaxText's formula)")
-    return 0 if all(r["ok"] for r in correctness) else 1
+    return 0 if all(r["ok"] for r in correctness) and "WRONG" not in nvfp4[0] else 1
 
 
 if __name__ == "__main__":
