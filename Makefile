@@ -29,8 +29,9 @@ list: $(READY)
 lint: $(READY)
 	$(VENV)/bin/ruff check .
 
+# Two workers: most of the suite's time is single-threaded XLA compilation.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist worksteal
 
 bench: $(READY)
 	$(PY) benchmarks/bench.py $(ARGS)

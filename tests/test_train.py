@@ -88,6 +88,8 @@ def test_experiment_runs_end_to_end_and_writes_its_metrics(tmp_path, capsys):
     assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
     assert "step 3/3" in out and "median step" in out
     assert "x 126 layers = 70.9 GiB in host memory" in out  # the full-scale placement list
+    assert "weights NVFP4 (1x16 blocks) quantized-dequantized" in out  # as the study: on
+    assert "an accuracy path, no FP4 speed-up" in out  # and not pretending to be FP4 GEMMs
     (run_dir,) = tmp_path.iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -222,7 +224,9 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
 
 
 def test_compare_runs_the_four_rows_into_one_table(tmp_path, capsys):
-    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2"], tmp_path, capsys)
+    # quant=none: the comparison's mechanics only (NVFP4 runs are checked end to end above).
+    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2", "quant=none"], tmp_path,
+                             capsys)
     assert code == 0, err
     (folder,) = tmp_path.glob("llama405b-compare-*")
     rows = (folder / "compare.csv").read_text().splitlines()
@@ -236,9 +240,11 @@ def test_compare_runs_the_four_rows_into_one_table(tmp_path, capsys):
 
 def test_a_deepseek_experiment_runs_end_to_end(tmp_path, capsys):
     code, out, err = run_cli(["deepseek671b-offload", "steps=2", "seq=32", "model.vocab=512",
-                              "model.n_layers=2"], tmp_path, capsys)
+                              "model.n_layers=2", "expert_parallel=true"], tmp_path, capsys)
     assert code == 0, err
     assert "671,026,419,200 parameters" in out and "moe_layers" in out
+    assert "experts split over 8 devices (blocks 1.25x the balanced share)" in out
     (run_dir,) = tmp_path.iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["expert_load_max_over_mean"] >= 1 for r in records)
+    assert all(0 <= r["expert_dropped"] < 1 for r in records)
