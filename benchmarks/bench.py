@@ -73,7 +73,8 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
     experiment = configs.get(name)
     model, run = configs.apply_overrides(*experiment.at_scale("proxy"), overrides)
     print(f"\n{name} proxy: {report.model_line(model)}; batch {run.per_device_batch} x "
-          f"{run.seq}, compute {run.compute_dtype}, 1 {jax.default_backend()} device; "
+          f"{run.seq}, compute {run.compute_dtype}, quant {run.quant}, "
+          f"1 {jax.default_backend()} device; "
           f"median of {repeats} steps")
     flops = training.family(model).training_flops(model, run.per_device_batch, run.seq)
     print(f"{'policy':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
