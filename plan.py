@@ -87,7 +87,9 @@ class Program:
     def memory_plan(self, capacity: int, host_capacity: int) -> memory.MemoryPlan:
         residuals = trace.saved_residuals(self.local_loss(self.tables), self.local_params,
                                           self.local_batch)
-        shapes = {leaf.shape for leaf in jax.tree.leaves(self.local_params)}
+        # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
+        shapes = {spec.shape for spec in jax.tree.leaves(self.specs, is_leaf=_is_spec)
+                  if self.rules.experts is None or "experts" not in spec.axes}
         scans = training.family(self.model).SCANS
         weights_per_layer = max(  # the widest layer's
             common.param_count(self.specs[scan]) // max(self.specs[scan][k].shape[0]
@@ -102,8 +104,21 @@ class Program:
             layers=tuple(next(iter(self.specs[scan].values())).shape[0] for scan in scans),
             layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
             layer_grads=weights_per_layer * jnp.dtype(self.run.param_dtype).itemsize,
+            exchange=self.exchange_buffers(),
             capacity=capacity, host_capacity=host_capacity,
-            matrices=self.quantizable_matrices())
+            matrices=self.quantizable_matrices() if self.run.quant != "none" else None)
+
+    def exchange_buffers(self) -> int:
+        """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the
+        outputs returned, each [devices x block rows, D] in the compute dtype."""
+        parallel = training.forward_options(self.model, self.run, self.fsdp).get(
+            "expert_parallel")
+        if parallel is None:
+            return 0
+        tokens = self.local_batch.shape[0] * self.run.seq
+        rows = self.fsdp * parallel.block_rows(tokens, self.model.experts_per_token,
+                                               self.model.n_experts)
+        return 4 * rows * self.model.d_model * jnp.dtype(self.run.compute_dtype).itemsize
 
     def quantizable_matrices(self) -> tuple[int, int]:
         """Per device, the layer matrices `quant=nvfp4` multiplies in NVFP4: (bytes in the
@@ -119,6 +134,10 @@ class Program:
                 plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize
                 stored += spec.shape[0] * quant.nvfp4_bytes((per_layer,), 0)
         return plain // self.fsdp, stored // self.fsdp
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, common.ParamSpec)
 
 
 def placement_lines(lines: list[memory.TagLine]) -> list[str]:
@@ -173,9 +192,9 @@ def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
          f"{_size(stacked)} stacked over the {' + '.join(map(str, plan.layers))} layers "
          "(layer inputs, tags kept on device), the rest after the last layer (norm, logits)"),
         ("one layer's backward", plan.layer_working_set,
-         "its tagged values, its gathered weights x2, its unreduced gradients"),
+         "its tagged values, its gathered weights x2, its unreduced gradients"
+         + (f", expert exchange blocks {_size(plan.exchange)}" if plan.exchange else "")),
     ]
-    plain, stored = plan.matrices
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows]
     out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
                f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}); an estimate:"
@@ -184,9 +203,11 @@ def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
                f"{_size(plan.host_capacity)} of host memory per GPU "
                f"({plan.host_activations / plan.host_capacity:.0%}): offloaded activations, "
                "stored over the whole forward pass")
-    out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  the layer matrices quant=nvfp4 "
-               f"multiplies in FP4 ({_size(plain)} in the compute dtype: {stored / plain:.0%}); "
-               "not in the peak: masters stay FP32, each layer is quantized as it runs")
+    if plan.matrices:
+        plain, stored = plan.matrices
+        out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  the layer matrices multiplied "
+                   f"in FP4 ({_size(plain)} in the compute dtype: {stored / plain:.0%}); not in "
+                   "the peak: masters stay FP32, each layer is quantized as it runs")
     if plan.host_activations > host_pool_gib * GiB:
         need = math.ceil(plan.host_activations / GiB * 1.1)
         out.append(f"WARNING: {_size(plan.host_activations)} of host activations exceed XLA's "

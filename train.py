@@ -185,7 +185,8 @@ def print_plan(name: str, args: list[str]) -> None:
                                          configs.parse_overrides(args))
     if run.mesh.fsdp < 1:
         raise ConfigError("--plan needs the mesh spelled out: set mesh.fsdp")
-    if found := configs.problems(model, run, run.mesh.data * run.mesh.fsdp):
+    found = configs.problems(model, run, run.mesh.data * run.mesh.fsdp)
+    if found := found or training.quantization_problems(model, run):
         raise ConfigError("; ".join(found))
     started = time.perf_counter()
     full = dataclasses.replace(experiment, model=model, run=run)

@@ -198,9 +198,8 @@ class ExpertParallel:
 
     def block_rows(self, tokens: int, k: int, n_experts: int) -> int:
         worst = tokens * min(k, n_experts // self.devices)
-        if not self.capacity:
-            return worst
-        return min(worst, math.ceil(self.capacity * tokens * k / self.devices))
+        share = self.capacity * tokens * k / self.devices
+        return worst if not self.capacity or share >= worst else math.ceil(share)
 
 
 def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertParallel,
@@ -212,7 +211,9 @@ def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertPa
     P, local = parallel.devices, n_experts // parallel.devices
     (S, k), D = experts.shape, x.shape[1]
     C = parallel.block_rows(S, k, n_experts)
-    order = jnp.argsort(experts.reshape(-1))  # pairs by expert, hence by destination
+    # Pairs by destination, in token order within one (a stable sort): a full block then drops
+    # the last tokens' pairs, whichever of the destination's experts they chose.
+    order = jnp.argsort(experts.reshape(-1) // local)
     chosen = experts.reshape(-1)[order]
     destination = chosen // local
     per_destination = jnp.bincount(destination, length=P)

@@ -41,9 +41,10 @@ class MemoryPlan:
     layers: tuple[int, ...]  # the length of each layer scan
     layer_weights: int  # one layer's weights, whole (as all-gathered), in the compute dtype
     layer_grads: int  # one layer's weight gradients, whole, before the reduce-scatter
+    exchange: int  # expert parallelism's exchange blocks in one MoE layer (0 without)
     capacity: int  # device memory
     host_capacity: int  # host memory per device
-    matrices: tuple[int, int] = (0, 0)  # quantizable layer matrices: compute dtype, NVFP4
+    matrices: tuple[int, int] | None = None  # NVFP4 layer matrices: compute dtype, as NVFP4
 
     @property
     def device_activations(self) -> int:
@@ -56,12 +57,13 @@ class MemoryPlan:
     @property
     def layer_working_set(self) -> int:
         """One layer's backward: every tagged value live at once (recomputed or fetched), the
-        layer's gathered weights twice (in use and prefetched), and its unreduced gradients;
-        for the widest layer of each count."""
+        layer's gathered weights twice (in use and prefetched), its unreduced gradients and
+        any expert exchange blocks; for the widest layer of each count."""
         by_scan: dict[str, int] = {}
         for t in self.tags:
             by_scan[t.value.scan] = by_scan.get(t.value.scan, 0) + t.value.nbytes
-        return max(by_scan.values(), default=0) + 2 * self.layer_weights + self.layer_grads
+        return (max(by_scan.values(), default=0) + 2 * self.layer_weights + self.layer_grads
+                + self.exchange)
 
     @property
     def peak_estimate(self) -> int:

@@ -255,3 +255,15 @@ def test_the_plan_shows_the_studys_deepseek_memory_facts():
     assert fits["deepseek671b-device-mb8"].peak_estimate > fits["deepseek671b-device-mb8"].capacity
     offload = fits["deepseek671b-offload"]
     assert offload.fits and offload.host_activations > 100 * 2**30
+
+
+def test_the_plan_keeps_a_devices_own_experts_whole():
+    """Under expert parallelism a device holds its experts whole: the plan must not divide
+    what it saves of them (their bf16 casts, without checkpointing) by the fsdp size again."""
+    import plan
+    run = dataclasses.replace(RUN, policy="none", expert_parallel=True, seq=16,
+                              per_device_batch=1, compute_dtype="bfloat16")
+    memory = plan.Program(TINY, run, None, (1, 2)).memory_plan(10**12, 10**12)
+    own = (TINY.n_moe_layers, TINY.n_experts // 2, TINY.d_model, TINY.moe_d_ff)
+    assert TINY.n_moe_layers % 2 == 0  # what the old arithmetic would have halved
+    assert own in {r.shape for r in memory.residuals}

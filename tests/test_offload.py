@@ -81,6 +81,8 @@ def test_plan_command_prints_the_study_facts(capsys):
 def test_plan_command_rejects_bad_input(capsys):
     assert train.main(["llama405b-offload", "--plan", "policy.nothing=offload"]) == 2
     assert capsys.readouterr().err.startswith("error: policy.nothing")
+    assert train.main(["llama405b-offload", "--plan", "model.d_ff=1000"]) == 2
+    assert capsys.readouterr().err.startswith("error: quant=nvfp4: NVFP4 needs axis")
 
 
 def test_unknown_tags_and_placements_are_errors():

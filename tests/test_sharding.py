@@ -56,17 +56,18 @@ DEEPSEEK = DeepSeekConfig(vocab=64, d_model=64, n_layers=3, n_dense_layers=1, n_
                           rope_scaling=YarnScaling(factor=4.0, original_max_position=64))
 
 
-@pytest.mark.parametrize("expert_path", list(deepseek.EXPERT_PATHS))
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel):
+@pytest.mark.parametrize("expert_path, expert_parallel, mesh_shape", [
+    ("dense", False, (1, 8)), ("sorted", False, (1, 8)), ("dense", True, (2, 4)),
+    ("sorted", True, (1, 8))])
+def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel, mesh_shape):
     """MoE layers route each device's own tokens (shard_map), with the experts gathered (FSDP)
-    or split over the devices (expert parallelism, dropless blocks), under the DeepSeek offload
-    policy (what it does not save, exchanges included, is recomputed): the loss, the expert
-    loads and the gradients equal those of one device without checkpointing; nothing is
-    dropped."""
+    or split over the fsdp devices (expert parallelism, dropless blocks; with 2 data replicas,
+    each exchanging within its own fsdp group), under the DeepSeek offload policy (what it does
+    not save, exchanges included, is recomputed): the loss, the expert loads and the gradients
+    equal those of one device without checkpointing; nothing is dropped."""
     specs = deepseek.param_specs(DEEPSEEK)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    eight = common.make_mesh((1, 8), ("data", "fsdp"))
+    eight = common.make_mesh(mesh_shape, ("data", "fsdp"))
     params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
     batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, DEEPSEEK.vocab))
     run = RunConfig(compute_dtype="float32", expert_path=expert_path,
@@ -91,8 +92,8 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel)
 
 def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     """Expert parallelism with small blocks, against float64 numpy: per device, (token,
-    expert) pairs in expert order (ties by token, then choice) fill each destination's block of
-    C rows; the rest are dropped and add nothing; every kept pair is computed exactly."""
+    expert) pairs in token order (then choice) fill the block of C rows of the device holding
+    their expert; the rest are dropped and add nothing; every kept pair is computed exactly."""
     cfg, devices, capacity = DEEPSEEK, 8, 0.5
     rng = np.random.default_rng(3)
     x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
@@ -113,9 +114,9 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     w64 = {name: np.asarray(a, np.float64) for name, a in layer.items()}
     want, dropped = np.zeros(x.shape), 0
     for d in range(devices):
-        pairs = sorted((experts[d, t, j], t, j) for t in range(6) for j in range(k))
         used = np.zeros(devices, int)
-        for e, t, j in pairs:
+        for t, j in ((t, j) for t in range(6) for j in range(k)):
+            e = experts[d, t, j]
             if used[e // local] == room:
                 dropped += 1
                 continue
