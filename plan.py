@@ -54,8 +54,12 @@ class Program:
         self.local_batch = jax.ShapeDtypeStruct(
             (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
 
+    def _split_by_expert(self, spec: common.ParamSpec) -> bool:
+        """Under expert parallelism, routed-expert weights: each device holds its own, whole."""
+        return self.rules.experts is not None and "experts" in spec.axes
+
     def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
-        if "experts" not in spec.axes or self.rules.experts is None:
+        if not self._split_by_expert(spec):
             return spec
         axis = spec.axes.index("experts")
         shape = list(spec.shape)
@@ -89,7 +93,7 @@ class Program:
                                           self.local_batch)
         # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
         shapes = {spec.shape for spec in jax.tree.leaves(self.specs, is_leaf=_is_spec)
-                  if self.rules.experts is None or "experts" not in spec.axes}
+                  if not self._split_by_expert(spec)}
         scans = training.family(self.model).SCANS
         weights_per_layer = max(  # the widest layer's
             common.param_count(self.specs[scan]) // max(self.specs[scan][k].shape[0]
@@ -128,7 +132,7 @@ class Program:
         plain = stored = 0
         for scan in family.SCANS:
             for name, spec in specs[scan].items():
-                if len(spec.shape) < 3 or name in family.UNQUANTIZED:  # [L, ...] matrices
+                if not common.quantizable(name, len(spec.shape) - 1, family.UNQUANTIZED):
                     continue
                 per_layer = math.prod(spec.shape[1:])
                 plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize

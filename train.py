@@ -69,6 +69,14 @@ def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str
     return "full", f"{have} cover the experiment's mesh"
 
 
+def check(model, run: configs.RunConfig, n_devices: int) -> None:
+    """Every impossible setting, as one ConfigError; NVFP4 widths only once the rest is sound
+    (they are found by tracing the model)."""
+    found = configs.problems(model, run, n_devices)
+    if found := found or training.quantization_problems(model, run):
+        raise ConfigError("; ".join(found))
+
+
 def resolve(name: str, args: list[str]) -> Setup:
     experiment = configs.get(name)
     overrides = configs.parse_overrides(args)
@@ -86,9 +94,7 @@ def resolve(name: str, args: list[str]) -> Setup:
         if type(model) is not type(experiment.model):
             raise ConfigError(f"init_from={run.init_from}: a {type(model).__name__} checkpoint, "
                               f"but {experiment.name} trains a {type(experiment.model).__name__}")
-    found = configs.problems(model, run, jax.device_count())
-    if found := found or training.quantization_problems(model, run):
-        raise ConfigError("; ".join(found))
+    check(model, run, jax.device_count())
     if run.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {jax.default_backend()}")
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
@@ -185,9 +191,7 @@ def print_plan(name: str, args: list[str]) -> None:
                                          configs.parse_overrides(args))
     if run.mesh.fsdp < 1:
         raise ConfigError("--plan needs the mesh spelled out: set mesh.fsdp")
-    found = configs.problems(model, run, run.mesh.data * run.mesh.fsdp)
-    if found := found or training.quantization_problems(model, run):
-        raise ConfigError("; ".join(found))
+    check(model, run, run.mesh.data * run.mesh.fsdp)
     started = time.perf_counter()
     full = dataclasses.replace(experiment, model=model, run=run)
     memory_plan = full_scale_plan(full, placement_tables(model, run))

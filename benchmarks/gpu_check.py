@@ -70,12 +70,15 @@ def check_gradients(smoke: bool) -> list[dict]:
     params = random_params(model, jnp.float32)
     batch = jax.random.randint(jax.random.key(1), (2, 65 if smoke else 1025), 0, model.vocab)
     with jax.default_matmul_precision("highest"):
-        results = []
+        results, references = [], {}
         for name in ROWS:
             run = configs.get(name).run
-            reference = dataclasses.replace(run, xla_flags={})
-            ref_loss, ref_grads = value_and_grad_fn(model, None, jnp.float32, reference)(
-                params, batch)
+            quantization = training.quantization(run)
+            if quantization not in references:  # no checkpointing, no flags, same weights
+                plain = value_and_grad_fn(model, None, jnp.float32,
+                                          dataclasses.replace(run, xla_flags={}))
+                references[quantization] = plain(params, batch)
+            ref_loss, ref_grads = references[quantization]
             loss, grads = value_and_grad_fn(model, row_tables(name), jnp.float32, run)(
                 params, batch)
             scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))

@@ -195,12 +195,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     return out[..., : out.shape[-1] - pad] if pad else out
 
 
+def quantizable(name: str, ndim: int, unquantized=()) -> bool:
+    """Whether quantization applies to a layer weight of this name and rank (one layer's):
+    its matrices, but those named in `unquantized`."""
+    return ndim >= 2 and name not in unquantized
+
+
 def layer_weights(w: dict, dtype, quantization: quant.Quantization | None, unquantized=()):
     """A layer's weights as its forward uses them: in the compute dtype and, under
     `quantization`, its matrices (but those named in `unquantized`) marked for NVFP4."""
     def prepare(name: str, a: jax.Array):
         a = a.astype(dtype)
-        if quantization is None or a.ndim < 2 or name in unquantized:
+        if quantization is None or not quantizable(name, a.ndim, unquantized):
             return a
         return quant.NVFP4Weight(a, quantization)
     return {name: prepare(name, a) for name, a in w.items()}

@@ -29,22 +29,30 @@ def run_cli(args, tmp_path, capsys):
     return code, out, err
 
 
-def test_loss_falls_on_a_repeated_batch():
+def proxy_losses(batches, lr: float, **loss_options) -> list[float]:
+    """The loss of each step of the llama405b proxy (2 layers, vocab 256) on one device, one
+    step per batch, from the same initial weights."""
     cfg = configs.get("llama405b-offload").proxy_model
     cfg = cfg.__class__(**{**cfg.__dict__, "n_layers": 2, "vocab": 256})
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     params = common.init_params(llama.param_specs(cfg), common.AxisRules(mesh=mesh),
                                 jax.random.key(0))
-    optimizer = training.make_optimizer(OptimizerConfig(lr=3e-3, warmup_steps=0), steps=30)
+    optimizer = training.make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0),
+                                        steps=len(batches))
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(training.loss_fn, model=cfg, rules=None, dtype=jnp.float32,
-                   policies={"layers": policies.checkpoint_policy(policies.PRESETS["qkv_offload"])})
+    loss = partial(training.loss_fn, model=cfg, rules=None, dtype=jnp.float32, **loss_options)
     step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer))
-    batch = SyntheticTokens(cfg.vocab, seed=0).batch(0, 4, 32)
     losses = []
-    for _ in range(30):
+    for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_loss_falls_on_a_repeated_batch():
+    batch = SyntheticTokens(256, seed=0).batch(0, 4, 32)
+    losses = proxy_losses([batch] * 30, lr=3e-3, policies={
+        "layers": policies.checkpoint_policy(policies.PRESETS["qkv_offload"])})
     assert losses[-1] < 0.5 * losses[0], losses  # memorising 4 x 32 tokens
 
 
@@ -53,29 +61,13 @@ def test_nvfp4_training_tracks_full_precision_training():
     fresh sequences every step, with and without NVFP4 weights: the quantized loss follows
     the full-precision one to within 0.1 nats + 5% at each of the first 8 steps (it falls from
     ~6 to ~0.2 there), and both learn (a broken straight-through gradient would not)."""
-    cfg = configs.get("llama405b-offload").proxy_model
-    cfg = cfg.__class__(**{**cfg.__dict__, "n_layers": 2, "vocab": 256})
     rng = np.random.default_rng(0)
     batches = np.zeros((8, 8, 33), np.int32)
     batches[:, :, 0] = rng.integers(0, 256, size=(8, 8))
     for i in range(1, 33):
         batches[:, :, i] = (batches[:, :, i - 1] * 5 + 3) % 256
-    curves = []
-    for quantization in (None, quant.Quantization()):
-        params = common.init_params(llama.param_specs(cfg), common.AxisRules(
-            mesh=common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])),
-            jax.random.key(0))
-        optimizer = training.make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), steps=8)
-        state = {"params": params, "opt_state": optimizer.init(params),
-                 "step": jnp.zeros((), int)}
-        loss = partial(training.loss_fn, model=cfg, rules=None, dtype=jnp.float32,
-                       policies=None, quantization=quantization)
-        step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer))
-        curve = []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            curve.append(float(metrics["loss"]))
-        curves.append(np.array(curve))
+    curves = [np.array(proxy_losses(batches, lr=1e-3, policies=None, quantization=quantization))
+              for quantization in (None, quant.Quantization())]
     full, nvfp4 = curves
     assert np.all(np.abs(nvfp4 - full) <= 0.1 + 0.05 * full), (full, nvfp4)
     assert full[-1] < 0.1 * full[0] and nvfp4[-1] < 0.1 * nvfp4[0]
