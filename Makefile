@@ -3,15 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
+# XLA's GPU compiler (the CUDA plugin and cuDNN, ~2 GB more): for --compile and the tests.
+COMPILE_READY := $(VENV)/.gpu-compile-ready
 
-.PHONY: help install lint test bench list clean
+.PHONY: help install install-gpu-compile lint test bench list clean
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
+	@echo "make compile-llama405b-offload               its full-scale step compiled for its GPUs (no GPU needed)"
 	@echo "make llama405b-compare                       the study's four Llama rows, one table"
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
-	@echo "make test     the test suite (8 fake CPU devices)"
+	@echo "make test     the test suite (8 fake CPU devices, GPU programs compiled without a GPU)"
 	@echo "make bench    proxy step time and model-FLOP rate vs a same-run matmul ceiling"
 	@echo "make install  create $(VENV) with the pinned dependencies"
 
@@ -21,7 +24,13 @@ $(READY): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $@
 
+$(COMPILE_READY): $(READY)
+	$(VENV)/bin/pip install --quiet -e '.[test,gpu-compile]'
+	touch $@
+
 install: $(READY)
+
+install-gpu-compile: $(COMPILE_READY)
 
 list: $(READY)
 	@$(PY) train.py --list
@@ -30,7 +39,7 @@ lint: $(READY)
 	$(VENV)/bin/ruff check .
 
 # Two workers: most of the suite's time is single-threaded XLA compilation.
-test: lint
+test: lint $(COMPILE_READY)
 	$(PY) -m pytest -n 2 --dist worksteal
 
 bench: $(READY)
@@ -44,6 +53,9 @@ deepseek%: $(READY)
 
 plan-%: $(READY)
 	$(PY) train.py $* --plan $(ARGS)
+
+compile-%: $(COMPILE_READY)
+	$(PY) train.py $* --compile $(ARGS)
 
 clean:
 	rm -rf runs

@@ -1,9 +1,13 @@
 """Where a step's activations go, and how much memory each device needs, from abstract values.
 
-    python train.py EXPERIMENT --plan [key=value ...]     the full-scale plan
+    python train.py EXPERIMENT --plan [key=value ...]      the full-scale plan (static)
+    python train.py EXPERIMENT --compile [key=value ...]   beside XLA's compiled GPU program
 
-Nothing is allocated or compiled: the step is traced and exported for a GPU from
-ShapeDtypeStructs sharded over an abstract mesh, so a laptop plans the 128-GPU run.
+The static plan allocates and compiles nothing: the step is traced and exported for a GPU from
+ShapeDtypeStructs sharded over an abstract mesh, with kernels every backend has (target
+"any"), so a laptop plans the 128-GPU run and a GPU run plans without touching its devices.
+A compiled program (`--compile`, a GPU run) adds what XLA really does: the host buffers it
+keeps and its memory per device.
 """
 
 import dataclasses
@@ -14,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
+import backend
 import training
-from configs import RunConfig
+from configs import Experiment, RunConfig
+from configs.gpus import GPUS, Gpu
 from model import common, quant
 from offload import memory, placement, policies, trace
 
@@ -32,7 +38,8 @@ def _size(n: int) -> str:
 
 class Program:
     """One step of (model, run, tables) on a mesh of this shape, as abstract values. MoE
-    experts are planned as the GPU computes them (grouped GEMMs)."""
+    experts are planned as a GPU computes them (grouped GEMMs, or under expert parallelism
+    one GEMM per local expert over its blocks)."""
 
     def __init__(self, model, run: RunConfig, tables: dict | None,
                  mesh_shape: tuple[int, int]):
@@ -67,13 +74,15 @@ class Program:
         return dataclasses.replace(spec, shape=tuple(shape))
 
     def local_loss(self, tables: dict | None):
-        loss = training.make_loss(self.model, self.run, tables, rules=None,
+        loss = training.make_loss(self.model, self.run, tables, rules=None, target=backend.ANY,
                                   fsdp_devices=self.fsdp)
         return lambda params, batch: loss(params, batch)[0]
 
-    def tag_lines(self) -> list[memory.TagLine]:
+    def tag_lines(self, compiled_hlo: str | None = None) -> list[memory.TagLine]:
         """Every tag of every layer scan: per-device per-layer value, placement asked, whether
-        the backward pass needs it, and whether the exported GPU program offloads it."""
+        the backward pass needs it, whether the exported GPU program offloads it and, given a
+        compiled GPU program's optimized HLO, whether XLA keeps its stacked buffer in host
+        memory."""
         tagged = trace.tagged_values(self.local_loss(None), self.local_params, self.local_batch)
         sites = [site for sites in tagged.values() for site in sites]
         everything = {scan: {tag: "offload" for tag in tags}
@@ -81,14 +90,23 @@ class Program:
         needed = trace.offloaded_tags(jax.grad(self.local_loss(everything)),
                                       self.local_params, self.local_batch)
         needed = {(s.scan, s.tag) for found in needed.values() for s in found}
-        step = training.make_step(self.model, self.run, self.tables, self.rules, self.optimizer)
+        step = training.make_step(self.model, self.run, self.tables, self.rules, self.optimizer,
+                                  backend.ANY)
         offloaded = placement.verify_offloads(step, self.state, self.batch)
+        in_host = None
+        if compiled_hlo is not None:
+            moved = trace.offloaded_tags(jax.grad(self.local_loss(self.tables)),
+                                         self.local_params, self.local_batch)
+            in_host = placement.compiled_host_buffers(
+                compiled_hlo, [v for values in moved.values() for v in values])
         tables, scans = self.tables or {}, training.family(self.model).SCANS
         return [memory.TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"),
-                               (s.scan, s.tag) in needed, (s.scan, s.tag) in offloaded)
+                               (s.scan, s.tag) in needed, (s.scan, s.tag) in offloaded,
+                               None if in_host is None else (s.scan, s.tag) in in_host)
                 for s in sorted(sites, key=lambda s: scans.index(s.scan))]
 
-    def memory_plan(self, capacity: int, host_capacity: int) -> memory.MemoryPlan:
+    def memory_plan(self, capacity: int, host_capacity: int,
+                    compiled_hlo: str | None = None) -> memory.MemoryPlan:
         residuals = trace.saved_residuals(self.local_loss(self.tables), self.local_params,
                                           self.local_batch)
         # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
@@ -103,11 +121,13 @@ class Program:
             params=memory.per_device_bytes(self.state["params"]),
             grads=memory.per_device_bytes(self.state["params"]),
             optimizer=memory.per_device_bytes(self.state["opt_state"]),
-            tags=self.tag_lines(),
+            tags=self.tag_lines(compiled_hlo),
             residuals=memory.per_device_residuals(residuals, shapes, self.fsdp),
             layers=tuple(next(iter(self.specs[scan].values())).shape[0] for scan in scans),
             layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
-            layer_grads=weights_per_layer * jnp.dtype(self.run.param_dtype).itemsize,
+            # The layer casts its weights to the compute dtype, so their gradients arrive (and
+            # are reduce-scattered) in it; only a device's shard becomes param_dtype.
+            layer_grads=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
             exchange=self.exchange_buffers(),
             capacity=capacity, host_capacity=host_capacity,
             matrices=self.quantizable_matrices() if self.run.quant != "none" else None)
@@ -115,13 +135,13 @@ class Program:
     def exchange_buffers(self) -> int:
         """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the
         outputs returned, each [devices x block rows, D] in the compute dtype."""
-        parallel = training.forward_options(self.model, self.run, self.fsdp).get(
-            "expert_parallel")
+        parallel = training.forward_options(self.model, self.run, self.fsdp,
+                                            backend.ANY).get("expert_parallel")
         if parallel is None:
             return 0
         tokens = self.local_batch.shape[0] * self.run.seq
-        rows = self.fsdp * parallel.block_rows(tokens, self.model.experts_per_token,
-                                               self.model.n_experts)
+        rows = self.model.n_experts * parallel.block_rows(tokens, self.model.experts_per_token,
+                                                          self.model.n_experts)
         return 4 * rows * self.model.d_model * jnp.dtype(self.run.compute_dtype).itemsize
 
     def quantizable_matrices(self) -> tuple[int, int]:
@@ -144,17 +164,36 @@ def _is_spec(x) -> bool:
     return isinstance(x, common.ParamSpec)
 
 
+def full_scale(experiment: Experiment, tables: dict | None,
+               compiled_hlo: str | None = None) -> memory.MemoryPlan:
+    """The experiment's full-scale memory plan and placement list under these tables, against
+    the memory JAX takes of its GPU (and, given one, the compiled program's host buffers)."""
+    run = experiment.run
+    program = Program(experiment.model, run, tables, (run.mesh.data, run.mesh.fsdp))
+    gpu = GPUS[run.device]
+    return program.memory_plan(backend.pool_bytes(gpu), gpu.host_memory, compiled_hlo)
+
+
+def memory_source(gpu: Gpu) -> str:
+    fraction, variable = backend.memory_fraction()
+    return (f"JAX's pool on the {gpu.name}: {variable}={fraction:g} x {_size(gpu.memory)} "
+            f"= {_size(backend.pool_bytes(gpu))}")
+
+
 def placement_lines(lines: list[memory.TagLine]) -> list[str]:
     """The placement list: one line per tag (per layer scan), and the offloaded totals."""
+    compiled = any(line.in_host_memory is not None for line in lines)
+    program = "compiled GPU program (XLA)" if compiled else "exported GPU program (JAX)"
     out = [f"{'scan':<13}{'tag':<20}{'per layer, per device':<26}{'bytes':>9}  {'asked':<8} "
-           "exported GPU program"]
+           f"{program}"]
     for line in lines:
         v = line.value
         shape = "x".join(map(str, v.shape)) + f" {jnp.dtype(v.dtype).name}"
         out.append(f"{v.scan:<13}{v.tag:<20}{shape:<26}{_size(v.nbytes):>9}  "
                    f"{line.placement:<8} {_verdict(line)}")
     for scan in dict.fromkeys(line.value.scan for line in lines):
-        moved = [line.value for line in lines if line.offloaded and line.value.scan == scan]
+        moved = [line.value for line in lines if line.value.scan == scan and (
+            line.in_host_memory if compiled else line.offloaded)]
         if moved:
             per_layer = sum(v.nbytes for v in moved)
             out.append(f"offloaded ({scan}): "
@@ -167,8 +206,12 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
 def _verdict(line: memory.TagLine) -> str:
     if not line.needed:
         return "nothing to place: the backward pass never reads it"
-    if line.offloaded:
+    if line.in_host_memory:
+        return "pinned host: its stacked buffer in memory space S(5), read back in backward"
+    if line.offloaded and line.in_host_memory is None:
         return "pinned_host, back to device for the backward pass"
+    if line.offloaded:
+        return "NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it on device"
     if line.value.tag == policies.LAYER_INPUT:
         return "kept on device: a checkpointed layer always keeps its input"
     return {"device": "stays on device", "remat": "recomputed"}.get(line.placement,
@@ -182,10 +225,10 @@ def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
     title = (f"memory plan: {name} at full scale, per device of the mesh data={run.mesh.data} x "
              f"fsdp={run.mesh.fsdp} ({run.device}); {run.batch(devices)} sequences x {run.seq} "
              f"tokens; policy {run.policy}")
-    return [title, *placement_lines(plan.tags), *memory_lines(plan, pool)]
+    return [title, *placement_lines(plan.tags), *memory_lines(plan, GPUS[run.device], pool)]
 
 
-def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
+def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> list[str]:
     device = [r for r in plan.residuals if not r.on_host]
     stacked = sum(r.nbytes for r in device if r.shape[:1] and r.shape[0] in plan.layers)
     rows = [
@@ -201,8 +244,9 @@ def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
     ]
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows]
     out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
-               f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}); an estimate:"
-               " NCCL scratch, cuDNN workspaces and XLA temporaries are not in a static plan")
+               f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}; "
+               f"{memory_source(gpu)}); an estimate: NCCL scratch, cuDNN workspaces and XLA "
+               "temporaries are not in a static plan")
     out.append(f"{'host (pinned)':<23}{_size(plan.host_activations):>10}  of "
                f"{_size(plan.host_capacity)} of host memory per GPU "
                f"({plan.host_activations / plan.host_capacity:.0%}): offloaded activations, "
@@ -217,4 +261,33 @@ def memory_lines(plan: memory.MemoryPlan, host_pool_gib: float) -> list[str]:
         out.append(f"WARNING: {_size(plan.host_activations)} of host activations exceed XLA's "
                    f"pinned-host pool ({host_pool_gib:g} GiB): set {HOST_POOL_VARIABLE}={need} "
                    "(per process) or offload less")
+    return out
+
+
+def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
+                   gpu: Gpu) -> list[str]:
+    """XLA's per-device memory of the compiled GPU program beside the static plan, and whether
+    it fits the memory JAX takes and the host memory there is."""
+    rows = [
+        ("arguments", compiled.arguments, plan.params + plan.optimizer,
+         "the state (parameters, optimizer) and the batch; static: the state"),
+        ("outputs - donated", compiled.outputs - compiled.aliased, 0,
+         "outputs not written over their donated inputs"),
+        ("temporaries", compiled.temporaries,
+         plan.grads + plan.device_activations + plan.layer_working_set,
+         "XLA's buffers; static: gradients, activations on device, one layer's backward"),
+        ("device total", compiled.device, plan.peak_estimate,
+         "arguments + outputs - donated + temporaries"),
+        ("host (pinned)", compiled.host, plan.host_activations,
+         "stacked offload buffers in memory space S(5)"),
+    ]
+    out = [f"{'per device':<20}{'compiled':>11}{'static plan':>13}"]
+    out += [f"{name:<20}{_size(a):>11}{_size(b):>13}  {why}" for name, a, b, why in rows]
+    fits = compiled.device <= plan.capacity
+    out.append(f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(compiled.device)} compiled of "
+               f"{_size(plan.capacity)} ({compiled.device / plan.capacity:.0%}; "
+               f"{memory_source(gpu)}); host {_size(compiled.host)} of "
+               f"{_size(plan.host_capacity)} per GPU")
+    out.append("not in the compiled figures: GEMM autotuning (none without a GPU: default "
+               "tiles), cuDNN workspaces (0 without a GPU), NCCL buffers (outside XLA's pool)")
     return out

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import jax
 
+import backend
 import plan
 import training
 from model import common
+from offload import memory
 from model.config import LlamaConfig
 
 GiB = 2**30
@@ -42,7 +44,9 @@ def _policy_line(tables: dict | None) -> str:
                      for scan, table in tables.items()) + "; all else remat"
 
 
-def _kernels_line(options: dict) -> str:
+def kernels_line(model, run, mesh, target) -> str:
+    """The kernels the target's step uses: attention, NVFP4 path, experts."""
+    options = training.forward_options(model, run, mesh.shape["fsdp"], target)
     parts = []
     for name, value in options.items():
         if name == "quantization":
@@ -68,6 +72,16 @@ def _quantization_words(value) -> str:
             "an accuracy path, no FP4 speed-up")
 
 
+def flags_line(run, target) -> str:
+    flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
+    if target.platform != "gpu":
+        return f"{flags} [NOT applied: {target.platform} backend, GPU only]"
+    extra = training.compiler_options(run, target).keys() - run.xla_flags.keys()
+    deviceless = (f"; compile-only devices also set {', '.join(sorted(extra))}=false (XLA's "
+                  "CUB sort rewriter wants a device)" if extra else "")
+    return f"{flags} [applied{deviceless}]"
+
+
 def _new_run_dir(root: str, name: str) -> Path:
     """A fresh folder per run, never an existing one: earlier results are not overwritten."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -84,13 +98,12 @@ def _new_run_dir(root: str, name: str) -> Path:
 class RunLog:
     """Prints on process 0 only; times each step from the previous step's completion."""
 
-    def __init__(self, setup, mesh, batch_size: int, flops: float, compile_s: float, compiled,
-                 full_plan, run_tags: list):
-        self.setup, self.run, self.flops, self.compiled = setup, setup.run, flops, compiled
-        offloaded = [line.value for line in run_tags if line.offloaded]
+    def __init__(self, setup, built, batch_size: int, flops: float):
+        self.setup, self.run, self.flops, self.built = setup, setup.run, flops, built
+        offloaded = [line.value for line in built.run_tags if line.offloaded]
         self.host_planned = sum(v.nbytes * v.count for v in offloaded)
         self.tokens = batch_size * setup.run.seq
-        self.devices = jax.device_count()
+        self.devices = len(built.target.devices)
         self.main = jax.process_index() == 0
         self.times: list[float] = []
         profile_last = min(4, setup.run.steps)
@@ -104,15 +117,17 @@ class RunLog:
                 "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
                 "policy": setup.tables}, indent=2, default=str))
             self.metrics = open(self.dir / "metrics.jsonl", "a")
-        self._print_header(mesh, batch_size, compile_s)
+        self._print_header(batch_size)
         full = setup.experiment
         full_run = dataclasses.replace(full.run, policy=setup.run.policy,
                                        placements=setup.run.placements)
-        for line in plan.plan_lines(full.name, full_run, full_plan):
+        for line in plan.plan_lines(full.name, full_run, built.full_plan):
             self._say(line)
         self._say("-" * 100)
-        self._say("placement, this run (per device; proved on the program exported for a GPU):")
-        for line in plan.placement_lines(run_tags):
+        proof = ("checked on the compiled program's host buffers" if built.target.platform
+                 == "gpu" else "proved on the program exported for a GPU")
+        self._say(f"placement, this run (per device; {proof}):")
+        for line in plan.placement_lines(built.run_tags):
             self._say(line)
         self._say("=" * 100)
         self.last = time.perf_counter()
@@ -121,37 +136,41 @@ class RunLog:
         if self.main:
             print(text, flush=True)
 
-    def _print_header(self, mesh, batch_size: int, compile_s: float) -> None:
-        s, run, full = self.setup, self.run, self.setup.experiment
-        backend = jax.default_backend()
+    def _print_header(self, batch_size: int) -> None:
+        s, run, full, target = self.setup, self.run, self.setup.experiment, self.built.target
+        mesh = self.built.mesh
         scale = ("PROXY -- a small model of the same family, not the study's numbers"
                  if s.scale == "proxy" else "FULL -- the study's model and run settings")
         compute = run.compute_dtype
         if s.scale == "proxy" and compute != full.run.compute_dtype:
             compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
-        flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
-        applied = "applied" if backend == "gpu" else f"NOT applied: {backend} backend, GPU only"
         data = run.data.path or f"synthetic uniform tokens, seed {run.seed}"
+        compiled = memory.CompiledMemory.of(self.built.compiled)
+        pool = ""
+        if target.platform == "gpu":
+            fraction, variable = backend.memory_fraction()
+            pool = (f"\n{'':12}the step needs {compiled.device / GiB:.1f} GiB of JAX's "
+                    f"{(target.pool_bytes() or 0) / GiB:.1f} GiB pool per GPU ({variable}="
+                    f"{fraction:g}) and {compiled.host / GiB:.1f} GiB of pinned host memory")
         rows = [
             ("experiment", f"{full.name}: {full.summary}"),
             ("scale", f"{scale}\n{'':12}({s.scale_reason})"),
             ("model", model_line(s.model) + (f" from {run.init_from}" if run.init_from else "")),
             ("full scale", model_line(full.model)),
-            ("devices", f"{self.devices} x {backend}, mesh {dict(mesh.shape)}"),
+            ("devices", f"{target.description}, mesh {dict(mesh.shape)}{pool}"),
             ("batch", f"{batch_size} sequences x {run.seq} tokens "
                       f"({batch_size / self.devices:g} per device)"),
             ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                        "softmax, norms and loss float32"),
-            ("kernels", _kernels_line(training.forward_options(s.model, run,
-                                                               mesh.shape["fsdp"]))),
+            ("kernels", kernels_line(s.model, run, mesh, target)),
             ("policy", f"{run.policy}: {_policy_line(s.tables)}" + (
                 "\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
-                "CPU lowering drops placement annotations)" if backend != "gpu" and any(
+                "CPU lowering drops placement annotations)" if target.platform != "gpu" and any(
                     "offload" in t.values() for t in (s.tables or {}).values()) else "")),
-            ("xla flags", f"{flags} [{applied}]"),
+            ("xla flags", flags_line(run, target)),
             ("data", data),
-            ("compile", f"{compile_s:.1f} s; model {self.flops / 1e12:,.2f} TFLOP per device "
-                        "per step (MaxText's formula)"),
+            ("compile", f"{self.built.compile_s:.1f} s; model {self.flops / 1e12:,.2f} TFLOP per "
+                        "device per step (MaxText's formula)"),
             ("output", str(self.dir)),
         ]
         self._say("=" * 100)
@@ -197,7 +216,7 @@ class RunLog:
         timed = self.times[1:] or self.times  # step 1 carries one-off warm-up work
         median = statistics.median(timed)
         stats = jax.local_devices()[0].memory_stats() or {}
-        analysis = self.compiled.memory_analysis()
+        analysis = self.built.compiled.memory_analysis()
         result = {
             "median_step_s": median, "tflops_per_device": self.flops / median / 1e12,
             "tokens_per_s": self.tokens / median,

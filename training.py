@@ -9,9 +9,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import optax
+from einops import rearrange
 
-from configs import OptimizerConfig, RunConfig
+from backend import Target, kernel_checks
+from configs import ConfigError, OptimizerConfig, RunConfig
 from model import common, deepseek, llama, quant
+from model.common import constrain, unembed
 from model.config import DeepSeekConfig, LlamaConfig
 from offload import policies
 
@@ -37,12 +40,36 @@ def scan_tags(model) -> dict[str, tuple[str, ...]]:
     return policies.SCAN_TAGS[family(model).__name__.rpartition(".")[2]]
 
 
-def loss_fn(params, batch, *, model, policies, rules, dtype, balance_weight=0.0, **options):
+def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=None):
+    """`cross_entropy` of the final norm and LM head's logits of x [B, T, D], T/chunks
+    positions of every sequence at a time. A chunk's [B, T/chunks, V] fp32 logits exist only
+    while it runs and again in the backward pass (recomputed: one more LM-head GEMM), instead
+    of all B x T x V logits and their gradient at once: 2 x 15.8 GiB per GPU for DeepSeek-V3
+    at micro batch 8, 2 x 7.8 GiB for Llama 405B at 2."""
+    if chunks == 1:
+        return cross_entropy(unembed(x, params["final_norm"], params["lm_head"], eps), targets)
+
+    def chunk(total, inputs):
+        x, targets = inputs
+        logits = unembed(x, params["final_norm"], params["lm_head"], eps)
+        return total + cross_entropy(logits, targets), None
+
+    # Chunks along the sequence, so each holds every (batch-sharded) sequence.
+    xs = constrain(rearrange(x, "b (c t) d -> c b t d", c=chunks), rules,
+                   (None, "batch", "seq", None))
+    ts = rearrange(targets, "b (c t) -> c b t", c=chunks)
+    total, _ = jax.lax.scan(jax.checkpoint(chunk, prevent_cse=False),
+                            jnp.zeros((), jnp.float32), (xs, ts))
+    return total / chunks
+
+
+def loss_fn(params, batch, *, model, policies, rules, dtype, balance_weight=0.0,
+            loss_chunks=1, **options):
     """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1. (loss, aux): aux holds the
     cross-entropy and, for MoE models, the expert loads and the balance term."""
-    logits, stats = family(model).forward(params, batch[:, :-1], model, policies=policies,
-                                          rules=rules, dtype=dtype, **options)
-    loss = cross_entropy(logits, batch[:, 1:])
+    x, stats = family(model).decode(params, batch[:, :-1], model, policies=policies,
+                                    rules=rules, dtype=dtype, **options)
+    loss = chunked_cross_entropy(x, params, batch[:, 1:], model.norm_eps, loss_chunks, rules)
     aux = {"cross_entropy": loss, **stats}
     if "balance_loss" in stats:
         loss = loss + balance_weight * stats["balance_loss"].sum()
@@ -106,11 +133,18 @@ def abstract_batch(run: RunConfig, rules: common.AxisRules, n_devices: int):
                                 sharding=rules.sharding(("batch", None)))
 
 
-def gpu_compiler_options(flags: dict[str, str]) -> dict:
-    """XLA flags as per-compile options, typed; applied only on a GPU backend."""
+def compiler_options(run: RunConfig, target: Target) -> dict:
+    """The run's XLA flags as per-compile options, typed; a GPU target only, so they can never
+    break a CPU compile. Compile-only devices also turn off XLA's CUB radix sort, whose
+    rewriter asks the CUDA runtime for a device (a real GPU keeps it)."""
+    if target.platform != "gpu":
+        return {}
     def typed(v: str):
         return {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
-    return {k: typed(v) for k, v in flags.items()}
+    options = {k: typed(v) for k, v in run.xla_flags.items()}
+    if target.gpu is not None:
+        options["xla_gpu_enable_cub_radix_sort"] = False
+    return options
 
 
 def axis_rules(run: RunConfig, mesh) -> common.AxisRules:
@@ -118,18 +152,19 @@ def axis_rules(run: RunConfig, mesh) -> common.AxisRules:
     return rules.expert_parallel() if run.expert_parallel else rules
 
 
-def forward_options(model, run: RunConfig, fsdp_devices: int) -> dict:
-    """Backend-dependent forward arguments: the attention kernel (cuDNN's fused one on GPUs in
-    bf16/fp16, XLA's elsewhere) and, for MoE models, how routed experts are computed (grouped
-    GEMMs on accelerators; every expert densely on CPUs, where ragged_dot is slow) and split
-    (over the fsdp devices, under expert parallelism)."""
-    on_cpu = jax.default_backend() == "cpu"
-    attention = run.attention
+def forward_options(model, run: RunConfig, fsdp_devices: int, target: Target) -> dict:
+    """The forward arguments that depend on the target: the attention kernel (cuDNN's fused
+    one on GPUs in bf16/fp16, XLA's elsewhere, and always on target "any"), the NVFP4 path
+    and, for MoE models, how routed experts are computed (grouped GEMMs on accelerators; every
+    expert densely on CPUs, where ragged_dot is slow) and split (over the fsdp devices, under
+    expert parallelism)."""
+    on_cpu = target.platform == "cpu"
+    attention = "xla" if target.platform == "any" else run.attention
     if attention == "auto":
-        fused = not on_cpu and run.compute_dtype in ("bfloat16", "float16")
+        fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
         attention = "cudnn" if fused else "xla"
     options = {"attention": None if attention == "xla" else attention,
-               "quantization": quantization(run)}
+               "quantization": quantization(run, target)}
     if isinstance(model, DeepSeekConfig):
         path = run.expert_path
         options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
@@ -138,13 +173,13 @@ def forward_options(model, run: RunConfig, fsdp_devices: int) -> dict:
     return options
 
 
-def quantization(run: RunConfig) -> quant.Quantization | None:
+def quantization(run: RunConfig, target: Target) -> quant.Quantization | None:
     """NVFP4 products on Blackwell's FP4 tensor cores (JAX's block-scaled dot, 1x16 blocks
     only), else quantize-dequantize and a GEMM in the compute dtype."""
     if run.quant == "none":
         return None
     two_d = run.quant_tiles == "16x16"
-    return quant.Quantization("scaled" if quant.blackwell() and not two_d else "dequantize",
+    return quant.Quantization("scaled" if target.blackwell and not two_d else "dequantize",
                               two_d)
 
 
@@ -155,7 +190,9 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
         return []
     params = common.abstract_params(family(model).param_specs(model))
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
-    forward = partial(family(model).forward, cfg=model, quantization=quantization(run))
+    two_d = run.quant_tiles == "16x16"
+    forward = partial(family(model).forward, cfg=model,
+                      quantization=quant.Quantization("dequantize", two_d))
     try:
         jax.eval_shape(forward, params, tokens)
     except quant.QuantError as e:
@@ -163,20 +200,36 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
     return []
 
 
-def make_loss(model, run: RunConfig, tables: dict | None, rules, fsdp_devices: int = 0):
+def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target,
+              fsdp_devices: int = 0):
     """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
     alone, which under expert parallelism needs the number of `fsdp_devices` it is one of."""
     fsdp_devices = fsdp_devices or (rules.mesh.shape.get("fsdp", 1) if rules else 1)
     return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
                    rules=rules, dtype=jnp.dtype(run.compute_dtype),
-                   balance_weight=run.balance_loss_weight,
-                   **forward_options(model, run, fsdp_devices))
+                   balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks,
+                   **forward_options(model, run, fsdp_devices, target))
 
 
-def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer):
-    """The jitted train step (state donated); XLA flags go in only on a GPU backend."""
-    on_gpu = jax.default_backend() == "gpu"
-    step = partial(train_step, loss=make_loss(model, run, tables, rules), optimizer=optimizer,
-                   router_bias_rate=run.router_bias_rate)
-    return jax.jit(step, donate_argnums=0,
-                   compiler_options=gpu_compiler_options(run.xla_flags) if on_gpu else None)
+def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
+    """The jitted train step, its state donated."""
+    step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
+                   optimizer=optimizer, router_bias_rate=run.router_bias_rate)
+    return jax.jit(step, donate_argnums=0)
+
+
+def compile_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
+    """The train step as `target` runs it, compiled ahead of time from the abstract state and
+    batch on `rules.mesh` (nothing allocated): a run calls it with its own devices, `--compile`
+    and the tests with compile-only GPUs, so both compile the same program."""
+    step = make_step(model, run, tables, rules, optimizer, target)
+    n_devices = rules.mesh.devices.size
+    with kernel_checks(target):
+        lowered = step.lower(abstract_state(model, run, rules, optimizer),
+                             abstract_batch(run, rules, n_devices))
+    try:
+        return lowered.compile(compiler_options(run, target))
+    except jax.errors.JaxRuntimeError as e:
+        if "compile option" in str(e):  # an XLA flag this jaxlib does not know
+            raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
+        raise

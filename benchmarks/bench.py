@@ -14,12 +14,12 @@ import time
 from functools import partial
 from pathlib import Path
 
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import backend  # noqa: E402  (before JAX: no CUDA plugin start-up noise without a GPU)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
 import report  # noqa: E402
@@ -57,7 +57,7 @@ def step_time(model, run, policy_name: str, repeats: int) -> float:
     params = proxy_params(model)
     optimizer = training.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = training.make_loss(model, run, tables, rules=None)
+    loss = training.make_loss(model, run, tables, rules=None, target=backend.this_machine())
     step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer), donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
     holder = [state]
@@ -107,7 +107,8 @@ def nvfp4_costs(model, run, repeats: int) -> None:
                                                               run.seq)[:, :-1])
 
     def logits(dtype, changes):
-        quantization = training.quantization(dataclasses.replace(run, **changes))
+        quantization = training.quantization(dataclasses.replace(run, **changes),
+                                             backend.this_machine())
         return np.asarray(jax.jit(partial(training.family(model).forward, cfg=model,
                                           dtype=dtype, quantization=quantization))(
             params, tokens)[0], np.float64)

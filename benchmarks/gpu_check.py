@@ -22,11 +22,12 @@ import time
 from functools import partial
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import backend  # noqa: E402  (before JAX: it sets the GPU memory fraction the trainer uses)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
 import training  # noqa: E402
@@ -40,15 +41,14 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
 
 
 def value_and_grad_fn(model, tables, dtype, run):
-    """Forward + backward as a run computes it: cuDNN's fused attention on a GPU in bf16,
-    the run's weight quantization."""
-    on_gpu = jax.default_backend() == "gpu"
-    fused = on_gpu and dtype == jnp.bfloat16
+    """Forward + backward as a run on this machine computes it (training.forward_options:
+    cuDNN's fused attention on a GPU in bf16, the run's NVFP4 path), with the run's flags."""
+    target = backend.this_machine()
+    run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name)
     loss = partial(training.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
-                   rules=None, dtype=dtype, attention="cudnn" if fused else None,
-                   quantization=training.quantization(run))
-    options = training.gpu_compiler_options(run.xla_flags) if on_gpu else None
-    return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]), compiler_options=options)
+                   rules=None, dtype=dtype, **training.forward_options(model, run, 1, target))
+    return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
+                   compiler_options=training.compiler_options(run, target) or None)
 
 
 def row_tables(name: str):
@@ -73,7 +73,7 @@ def check_gradients(smoke: bool) -> list[dict]:
         results, references = [], {}
         for name in ROWS:
             run = configs.get(name).run
-            quantization = training.quantization(run)
+            quantization = training.quantization(run, backend.this_machine())
             if quantization not in references:  # no checkpointing, no flags, same weights
                 plain = value_and_grad_fn(model, None, jnp.float32,
                                           dataclasses.replace(run, xla_flags={}))
@@ -138,7 +138,7 @@ def check_nvfp4() -> list[str]:
     lines = [f"nvfp4 dequantize path, {jax.default_backend()} vs cpu: max|diff| "
              f"{np.abs(here - there).max() / scale:.2e} of max|logit|  "
              f"{'OK' if np.abs(here - there).max() <= 1e-5 * scale else 'WRONG'}"]
-    if quant.blackwell():
+    if backend.this_machine().blackwell:
         scaled, dequantized = logits("scaled", jnp.bfloat16), logits("dequantize", jnp.bfloat16)
         lines.append(f"nvfp4 scaled (FP4 tensor cores) vs dequantize path, bf16: rel. error "
                      f"{np.linalg.norm(scaled - dequantized) / np.linalg.norm(dequantized):.3f}")

@@ -11,6 +11,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from configs.gpus import GPUS
 from model.config import DeepSeekConfig, LlamaConfig
 
 ModelConfig = LlamaConfig | DeepSeekConfig
@@ -19,10 +20,6 @@ DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
 QUANTS = ("none", "nvfp4")
 QUANT_TILES = ("1x16", "16x16")
-DEVICE_MEMORY_GB = {"gb200": 186, "b200": 180, "h200": 141, "h100": 80}  # per GPU, for --plan
-# Host memory per GPU in the usual system: a GB200 NVL72 Grace has 480 GB for its two GPUs; a
-# DGX B200 / H200 / H100 has 2 TB for eight.
-HOST_MEMORY_GB = {"gb200": 240, "b200": 256, "h200": 256, "h100": 256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +73,7 @@ class RunConfig:
     init_from: str = ""  # a Hugging Face checkpoint directory of the experiment's family
     out_dir: str = "runs"
     profile: bool = False
-    device: str = "gb200"  # the GPU the memory plan measures against (DEVICE_MEMORY_GB)
+    device: str = "gb200"  # the GPU full scale is planned and compiled for (configs/gpus.py)
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
@@ -84,6 +81,9 @@ class RunConfig:
     # Under expert parallelism, rows a device may send each other device, as a multiple of
     # the balanced share; 0: room for the worst case (dropless). Pairs beyond it are dropped.
     expert_capacity: float = 0.0
+    # The loss over this many sequence chunks, each one's logits recomputed in the backward
+    # pass, instead of all [B, T, V] fp32 logits and their gradient at once.
+    loss_chunks: int = 1
     router_bias_rate: float = 0.001  # aux-loss-free balancing step (DeepSeek-V3's gamma)
     balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3: 0.0001)
 
@@ -195,15 +195,17 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     """Every impossible combination for this many devices, one line each."""
     found = list(model.problems())
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": QUANTS, "quant_tiles": QUANT_TILES, "device": tuple(DEVICE_MEMORY_GB),
+               "quant": QUANTS, "quant_tiles": QUANT_TILES, "device": tuple(GPUS),
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
     if run.data.dtype not in ("uint16", "uint32"):
         found.append(f"data.dtype={run.data.dtype!r}: choose uint16 or uint32")
-    for name in ("per_device_batch", "seq", "steps"):
+    for name in ("per_device_batch", "seq", "steps", "loss_chunks"):
         if getattr(run, name) < 1:
             found.append(f"{name} must be at least 1, got {getattr(run, name)}")
+    if run.loss_chunks >= 1 and run.seq % run.loss_chunks:
+        found.append(f"seq={run.seq} is not divisible into loss_chunks={run.loss_chunks}")
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")

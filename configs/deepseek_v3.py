@@ -21,16 +21,18 @@ PROXY_V3 = dataclasses.replace(
 # On one device there is nothing to split experts over (`expert_parallel=true` still runs the
 # exchange, at several times the cost on CPUs).
 PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
-                 expert_parallel=False)
+                 expert_parallel=False, loss_chunks=1)
 
 # The study gives no DeepSeek sequence length: 4096, the model's original context, is assumed.
 # Experts are split over the 128 GPUs, 2 each. Gathering all 256 for every layer (FSDP) needs a
-# ~90 GiB working set, and dropless blocks (room for every pair of a device's tokens to land
-# on one device) make each tagged expert activation 32x its balanced size: 1.25x the balanced
-# share fits every row the study ran (`--plan` shows it), and the log reports what is dropped.
+# ~90 GiB working set, and dropless blocks (room for all of a device's tokens in every expert's
+# block) make each tagged expert activation E/k = 32x its balanced size: 1.25x the balanced
+# share fits every row the study ran (`--compile` shows it), and the log reports what is
+# dropped. The loss in 8 chunks: [8, 4096, 129280] fp32 logits and their gradient would be
+# 31.6 GiB at once.
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10, mesh=MeshConfig(data=1, fsdp=128),
                      compute_dtype="bfloat16", policy="dsv3_offload", expert_parallel=True,
-                     expert_capacity=1.25)
+                     expert_capacity=1.25, loss_chunks=8)
 
 
 def _deepseek(name: str, summary: str, **run_changes) -> Experiment:

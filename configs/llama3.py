@@ -23,12 +23,14 @@ PROXY_405B = dataclasses.replace(LLAMA31_405B, **_PROXY, n_heads=16, n_kv_heads=
 
 # A CPU has no bf16 matmul units (bf16 runs ~2x slower than f32 there), so proxies compute in
 # f32; the run header says so. Full scale computes in bf16, as the study did.
-PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig())
+PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
+                 loss_chunks=1)
 
 # The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16
-# activations, NVFP4 weights.
+# activations, NVFP4 weights. The loss in 8 chunks (the logits and their gradient would be
+# 15.6 GiB at once).
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
-                       compute_dtype="bfloat16", quant="nvfp4")
+                       compute_dtype="bfloat16", quant="nvfp4", loss_chunks=8)
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
 ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"

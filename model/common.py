@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax.ad_checkpoint import checkpoint_name
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from model import quant
 from model.config import Llama3RopeScaling, YarnScaling
@@ -182,11 +183,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     k [B,S,K,H], v [B,S,K,H'] with H' <= H.
 
     Query head n reads kv head n // (N/K), Hugging Face's repeat-interleave GQA mapping.
-    The softmax runs in fp32. `implementation="cudnn"` (GPUs, bf16) is the fused flash kernel,
-    which never stores the [B, N, T, S] scores; None is XLA's reference path (JAX 0.10 does not
-    pick cuDNN by itself). The fused kernel wants one head dim for q, k and v, so a narrower v
-    (MLA: 128 vs 192) is padded with zero columns, whose outputs are zero and sliced off.
+    The softmax runs in fp32. `implementation="cudnn"` (GPUs, bf16) is cuDNN's fused flash
+    kernel, which never stores the [B, N, T, S] scores and takes a narrower v as it is (MLA:
+    192 for q and k, 128 for v). None is XLA's reference path (JAX 0.10 does not pick cuDNN
+    by itself); it wants one head dim, so a narrower v is padded with zero columns there,
+    whose outputs are zero and sliced off.
     """
+    if implementation == "cudnn":
+        # JAX 0.10.2's public dot_product_attention refuses H' != H before reaching this
+        # kernel, which supports it (cuDNN >= 9.10 on Hopper and later).
+        return cudnn_attention.dot_product_attention(
+            q, k, v, scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale,
+            mask_type=cudnn_attention.MaskType.CAUSAL)
     pad = q.shape[-1] - v.shape[-1]
     if pad:
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
@@ -234,13 +242,13 @@ def scan_layers(layer, x, stacked, policy, name: str):
         return jax.lax.scan(layer, x, stacked)
 
 
-def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float, dtype):
-    """Final RMSNorm and LM head: [B, T, D] -> logits [B, T, V] fp32. One 2-D [B*T, D] x
-    [D, V] dot, the same math as "btd,dv->btv": XLA's CPU backend then keeps the backward
-    dots row-major instead of transposing a [V, B*T] copy of dlogits."""
+def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float):
+    """Final RMSNorm and LM head (in x's dtype): [B, T, D] -> logits [B, T, V] fp32. One 2-D
+    [B*T, D] x [D, V] dot, the same math as "btd,dv->btv": XLA's CPU backend then keeps the
+    backward dots row-major instead of transposing a [V, B*T] copy of dlogits."""
     x = rms_norm(x, norm, eps)
     batch, seq, width = x.shape
-    logits = jnp.dot(x.reshape(batch * seq, width), lm_head.astype(dtype),
+    logits = jnp.dot(x.reshape(batch * seq, width), lm_head.astype(x.dtype),
                      preferred_element_type=jnp.float32)
     return logits.reshape(batch, seq, lm_head.shape[-1])
 

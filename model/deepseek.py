@@ -12,6 +12,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
@@ -189,49 +190,107 @@ UNQUANTIZED = ("router", *EXPERT_WEIGHTS)  # matrices kept out of NVFP4
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """Routed experts split over `devices` devices, E/devices each. Every device sends its
-    (token, expert) pairs, in one fixed-size block per device, to the devices holding those
-    experts and gets the outputs back (two all-to-alls). `capacity` sizes a block as a multiple
-    of the balanced share S*k/devices; 0 sizes it for the worst case, S*min(k, E/devices) rows:
-    dropless whatever the routing, at that much more memory."""
+    (token, expert) pairs, in one fixed-size block per expert, to the devices holding those
+    experts and gets the outputs back (two all-to-alls); a device runs each of its experts
+    as one dense GEMM over its blocks. `capacity` sizes a block as a multiple of the balanced
+    share S*k/E of a device's S tokens; 0 sizes it for the worst case, S rows (every token
+    choosing that expert): dropless whatever the routing, at E/k times the memory."""
     devices: int
     capacity: float = 0.0
 
     def block_rows(self, tokens: int, k: int, n_experts: int) -> int:
-        worst = tokens * min(k, n_experts // self.devices)
-        share = self.capacity * tokens * k / self.devices
-        return worst if not self.capacity or share >= worst else math.ceil(share)
+        """Rows of one expert's block from one device."""
+        share = self.capacity * tokens * k / n_experts
+        return tokens if not self.capacity or share >= tokens else math.ceil(share)
+
+
+def _rows(table, index):
+    """table[index] along the first axis; an index past the end reads a row of zeros."""
+    return jnp.take(table, index, axis=0, mode="fill", fill_value=0)
+
+
+# Dispatch (token rows into expert blocks) and combine (weighted expert outputs back into
+# tokens) are each other's transposes. Written as gathers both ways: autodiff would transpose
+# a gather into a scatter-add, which XLA's GPU backend runs on 32-bit atomics (a u32 copy of
+# every bf16 block) instead of reading each row once.
+@jax.custom_vjp
+def _dispatch(x, slot_pairs, pair_slots):
+    """x [S, D] -> blocks [slots, D]: slot i holds the token of pair slot_pairs[i] (pairs are
+    token * k + choice; past the end: an empty slot, zeros)."""
+    return _rows(x, slot_pairs // pair_slots.shape[1])
+
+
+def _dispatch_fwd(x, slot_pairs, pair_slots):
+    return _dispatch(x, slot_pairs, pair_slots), (slot_pairs, pair_slots)
+
+
+def _dispatch_bwd(residuals, grad):
+    _, pair_slots = residuals  # dx[s] = sum over s's pairs of their slots' gradients
+    dx = _rows(grad, pair_slots).astype(jnp.float32).sum(axis=1).astype(grad.dtype)
+    return dx, None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _combine(blocks, weights, slot_pairs, pair_slots):
+    """Expert outputs [slots, D] -> tokens [S, D]: sum_j weights[s, j] x the row of pair
+    (s, j)'s slot (pair_slots; past the end: dropped, zeros), accumulated in f32."""
+    rows = _rows(blocks, pair_slots).astype(jnp.float32)
+    return (rows * weights[..., None]).sum(axis=1).astype(blocks.dtype)
+
+
+def _combine_fwd(blocks, weights, slot_pairs, pair_slots):
+    return _combine(blocks, weights, slot_pairs, pair_slots), (blocks, weights, slot_pairs,
+                                                               pair_slots)
+
+
+def _combine_bwd(residuals, grad):
+    blocks, weights, slot_pairs, pair_slots = residuals
+    k = pair_slots.shape[1]
+    slot_weights = _rows(weights.reshape(-1), slot_pairs)
+    d_blocks = _rows(grad, slot_pairs // k).astype(jnp.float32) * slot_weights[:, None]
+    d_weights = jnp.einsum("skd,sd->sk", _rows(blocks, pair_slots).astype(jnp.float32),
+                           grad.astype(jnp.float32))
+    return d_blocks.astype(blocks.dtype), d_weights, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertParallel,
-                      expert_path: str, axis: str | None):
+                      axis: str | None):
     """Expert parallelism on one device: x [S, D] its tokens, w its E/P experts. Returns the
     routed output [S, D] and how many (token, expert) pairs found their block full (dropped).
     Without `axis` (one device's share traced alone, as the memory plan does) the exchange is
     the identity: the same shapes, no communication."""
     P, local = parallel.devices, n_experts // parallel.devices
-    (S, k), D = experts.shape, x.shape[1]
+    S, k = experts.shape
     C = parallel.block_rows(S, k, n_experts)
-    # Pairs by destination, in token order within one (a stable sort): a full block then drops
-    # the last tokens' pairs, whichever of the destination's experts they chose.
-    order = jnp.argsort(experts.reshape(-1) // local)
-    chosen = experts.reshape(-1)[order]
-    destination = chosen // local
-    per_destination = jnp.bincount(destination, length=P)
-    slot = jnp.arange(S * k) - (jnp.cumsum(per_destination) - per_destination)[destination]
-    send = jnp.zeros((P, C, D), x.dtype).at[destination, slot].set(x[order // k], mode="drop")
-    ids = jnp.full((P, C), local, jnp.int32).at[destination, slot].set(chosen % local,
-                                                                     mode="drop")
+    pairs = experts.reshape(-1)
+    # Pairs by expert, in token order within one (a stable sort): a full block drops the last
+    # tokens' pairs. Slot e * C + position holds expert e's pair at that position.
+    order = jnp.argsort(pairs, stable=True).astype(jnp.int32)
+    chosen = pairs[order]
+    count = jnp.bincount(pairs, length=n_experts)
+    position = jnp.arange(S * k) - (jnp.cumsum(count) - count)[chosen]
+    kept = position < C
+    slot = jnp.where(kept, chosen * C + position, n_experts * C).astype(jnp.int32)
+    slot_pairs = jnp.full((n_experts * C,), S * k, jnp.int32).at[slot].set(order, mode="drop")
+    pair_slots = jnp.zeros((S * k,), jnp.int32).at[order].set(slot).reshape(S, k)
     exchange = (lambda t: t) if axis is None else partial(
         jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0)
-    rows, row_ids = exchange(send).reshape(P * C, D), exchange(ids).reshape(P * C, 1)
-    # Empty slots carry expert id `local`, which no expert matches: their output is zero.
-    out = EXPERT_PATHS[expert_path](rows, jnp.ones(row_ids.shape, jnp.float32), row_ids, w,
-                                    local)
-    back = exchange(out.reshape(P, C, D))
-    kept = slot < C
-    y = jnp.where(kept[:, None], back[destination, jnp.minimum(slot, C - 1)], 0)
-    y = (y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
-    return jnp.zeros_like(x).at[order // k].add(y), jnp.sum(~kept)
+    send = _dispatch(x, slot_pairs, pair_slots)
+    received = exchange(rearrange(send, "(p lc) d -> p lc d", p=P))
+    rows = rearrange(received, "p (l c) d -> l (p c) d", l=local)  # per local expert
+    gate = checkpoint_name(jnp.einsum("lrd,ldf->lrf", rows, w["we_gate"]), "moe_mlpwi_0")
+    up = checkpoint_name(jnp.einsum("lrd,ldf->lrf", rows, w["we_up"]), "moe_mlpwi_1")
+    out = checkpoint_name(jnp.einsum("lrf,lfd->lrd", jax.nn.silu(gate) * up, w["we_down"]),
+                          "moe_mlpwo")
+    back = exchange(rearrange(out, "l (p c) d -> p (l c) d", p=P))
+    return (_combine(rearrange(back, "p lc d -> (p lc) d"), weights, slot_pairs, pair_slots),
+            jnp.sum(~kept))
 
 
 def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParallel | None,
@@ -246,7 +305,7 @@ def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParalle
         dropped = jnp.zeros((), jnp.int32)
     else:
         routed, dropped = experts_exchanged(tokens, weights, experts, w, cfg.n_experts,
-                                            parallel, expert_path, axis)
+                                            parallel, axis)
     return (routed.reshape(B, T, D), jnp.bincount(experts.reshape(-1), length=cfg.n_experts),
             balance_loss(scores, experts, B, cfg.n_experts), dropped)
 
@@ -324,12 +383,13 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
 SCANS = ("dense_layers", "moe_layers")  # parameter subtrees and named_scopes of the scans
 
 
-def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
-            dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
-            expert_parallel: ExpertParallel | None = None,
-            quantization: Quantization | None = None):
-    """tokens [B, T] -> (logits [B, T, V] fp32, per MoE layer {"expert_load": tokens per
-    expert [L_moe, E], "balance_loss": [L_moe], "expert_dropped": [L_moe]}).
+def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
+           dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
+           expert_parallel: ExpertParallel | None = None,
+           quantization: Quantization | None = None):
+    """tokens [B, T] -> (the last layer's output [B, T, D], before the final norm; per MoE
+    layer {"expert_load": tokens per expert [L_moe, E], "balance_loss": [L_moe],
+    "expert_dropped": [L_moe]}).
 
     `policies` maps a scan (SCANS) to the `jax.checkpoint` policy of each of its layers.
     `expert_parallel` splits the routed experts over the devices of `rules.experts`.
@@ -355,7 +415,14 @@ def forward(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
                        "dense_layers")
     x, stats = scan_layers(moe_layer, x, params["moe_layers"], policies.get("moe_layers"),
                            "moe_layers")
-    return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps, dtype), stats
+    return x, stats
+
+
+def forward(params, tokens, cfg: DeepSeekConfig, **options):
+    """tokens [B, T] -> (logits [B, T, V] fp32, the MoE statistics): `decode` (whose options
+    these are), the final norm and the LM head."""
+    x, stats = decode(params, tokens, cfg, **options)
+    return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 
 
 def _matmul_weights_per_token(cfg: DeepSeekConfig) -> float:

@@ -64,10 +64,10 @@ SCANS = ("layers",)  # the layer scan, named as its parameter subtree and its na
 UNQUANTIZED = ()  # quant=nvfp4 multiplies every layer matrix in NVFP4
 
 
-def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
-            dtype=jnp.bfloat16, attention: str | None = None,
-            quantization: Quantization | None = None):
-    """tokens [B, T] int -> (logits [B, T, V] fp32, {}).
+def decode(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
+           dtype=jnp.bfloat16, attention: str | None = None,
+           quantization: Quantization | None = None):
+    """tokens [B, T] int -> (the last layer's output [B, T, D], before the final norm; {}).
 
     `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
     none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
@@ -85,7 +85,14 @@ def forward(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules
         return block(x, w, cfg, cos, sin, rules, attention), None
 
     x, _ = scan_layers(layer, x, params["layers"], (policies or {}).get("layers"), "layers")
-    return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps, dtype), {}
+    return x, {}
+
+
+def forward(params, tokens, cfg: LlamaConfig, **options):
+    """tokens [B, T] int -> (logits [B, T, V] fp32, {}): `decode` (whose options these are),
+    the final norm and the LM head."""
+    x, stats = decode(params, tokens, cfg, **options)
+    return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:

@@ -153,14 +153,6 @@ def nvfp4_bytes(shape: tuple[int, ...], axis: int, two_d: bool = False) -> int:
                for a in jax.tree.leaves(q))
 
 
-def blackwell() -> bool:
-    """Whether the default device is a compute-capability 10.x GPU (B200, GB200, B300), where
-    XLA runs the block-scaled dot on FP4 tensor cores. Other GPUs expand it into a dequantize
-    and an f32 dot; CPUs cannot lower it at all."""
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    return capability is not None and str(capability).split(".")[0] == "10"
-
-
 def nvfp4_einsum(subscripts: str, x: jax.Array, w: jax.Array, axis: int, two_d: bool = False,
                  path: str = "dequantize") -> jax.Array:
     """Two-operand einsum with `w` (16-blocks along its contraction `axis`) in NVFP4.
@@ -199,12 +191,15 @@ def _scaled_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     if contraction % BLOCK:
         raise QuantError(f"{subscripts!r}: contraction size {contraction} is not a multiple "
                          f"of {BLOCK}")
-    # Scalar global scales, not the documented shape (1,): JAX's kernel broadcasts them
-    # against the operands, which for (1,) is rank promotion, an error under
-    # jax_numpy_rank_promotion="raise". stop_gradient: a traced global scale inside the
-    # config (not a pytree) breaks JAX's custom_vjp under grad.
-    configs = [jax.nn.get_scaled_dot_general_config(
-        "nvfp4", global_scale=jax.lax.stop_gradient(tensor_scale(a))) for a in (x, w)]
-    configs.append(jax.nn.get_scaled_dot_general_config("nvfp4"))  # backward: mode only
-    out = jax.nn.scaled_dot_general(x, w, dims, preferred_element_type=x.dtype, configs=configs)
+    # Each operand divided by its own tensor scale, JAX's kernel called with unit scales and
+    # the product scaled back: the same numerics as handing it the scales, but JAX keeps a
+    # config's scale as a constant of the traced function, which a scale computed from the
+    # data (a tracer) cannot be inside scan or jax.checkpoint. The unit scale is a scalar, not
+    # the documented shape (1,), which would be rank promotion against the operands.
+    scales = [jax.lax.stop_gradient(tensor_scale(a)) for a in (x, w)]
+    unit = jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=np.ones((), np.float32))
+    out = jax.nn.scaled_dot_general((x / scales[0]).astype(x.dtype),
+                                    (w / scales[1]).astype(w.dtype), dims,
+                                    preferred_element_type=x.dtype, configs=[unit] * 3)
+    out = (out.astype(jnp.float32) * (scales[0] * scales[1])).astype(x.dtype)
     return jnp.transpose(out, order)

@@ -28,7 +28,8 @@ class TagLine:
     value: Tagged
     placement: str  # what the table asks: device, offload or remat
     needed: bool  # does the backward pass use it at all (else no placement changes anything)
-    offloaded: bool  # what the exported GPU program does
+    offloaded: bool  # what the exported GPU program asks (JAX's annotations)
+    in_host_memory: bool | None = None  # what the compiled GPU program does; None: not compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class MemoryPlan:
     residuals: list[Residual]  # per device; arguments (the parameters) excluded
     layers: tuple[int, ...]  # the length of each layer scan
     layer_weights: int  # one layer's weights, whole (as all-gathered), in the compute dtype
-    layer_grads: int  # one layer's weight gradients, whole, before the reduce-scatter
+    layer_grads: int  # one layer's weight gradients, whole, before reduce-scatter (compute dtype)
     exchange: int  # expert parallelism's exchange blocks in one MoE layer (0 without)
     capacity: int  # device memory
     host_capacity: int  # host memory per device
@@ -88,3 +89,26 @@ def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
             r = dataclasses.replace(r, shape=(r.shape[0] // fsdp, *r.shape[1:]))
         kept.append(r)
     return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """One device's memory in a compiled program, as XLA's `memory_analysis()` gives it."""
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written over donated arguments
+    temporaries: int
+    host: int  # temporaries in pinned host memory: the offloaded activations
+
+    @classmethod
+    def of(cls, compiled) -> "CompiledMemory":
+        stats = compiled.memory_analysis()
+        return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                   stats.alias_size_in_bytes, stats.temp_size_in_bytes,
+                   stats.host_temp_size_in_bytes)
+
+    @property
+    def device(self) -> int:
+        """What the program holds in device memory at once. (XLA's own peak figure counts the
+        host buffers too.)"""
+        return self.arguments + self.outputs - self.aliased + self.temporaries

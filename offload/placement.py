@@ -1,11 +1,17 @@
-"""Proof of placement: export a step for a GPU (`jax.export`, platform "cuda") from abstract
-inputs and read where XLA is told to put each offloaded value.
+"""Proof of placement, at two depths.
 
-On a CPU, JAX drops memory placements when it lowers, so an offload policy there is only a
-numerical no-op. The program exported for "cuda" still carries them: one
-`annotate_device_placement` custom call with `_xla_buffer_placement = "pinned_host"` per
-offloaded value in the forward loop body, and one with "device" where the backward pass
-brings it back. This works for the full-scale model on a laptop: nothing is allocated.
+What JAX asks: export a step for a GPU (`jax.export`, platform "cuda") from abstract inputs
+and read where XLA is told to put each offloaded value. On a CPU, JAX drops memory placements
+when it lowers, so an offload policy there is only a numerical no-op; the program exported for
+"cuda" still carries them: one `annotate_device_placement` custom call with
+`_xla_buffer_placement = "pinned_host"` per offloaded value in the forward loop body, and one
+with "device" where the backward pass brings it back. Nothing is allocated.
+
+What XLA does: in a program compiled for a GPU (a GPU run, or compile-only devices), each
+value offloaded inside a layer scan becomes one buffer stacked over the layers,
+`bf16[L, ...]{...:S(5)}` (memory space 5: pinned host), made by an `AllocateBuffer` custom
+call, written in the forward loop and read in the backward loop. XLA's host-offload passes
+could still keep a device copy or drop a move; only the compiled program shows it.
 """
 
 import re
@@ -13,10 +19,12 @@ from collections import Counter
 
 from jax import export
 
-from offload.trace import offloaded_tags
+from offload.trace import Tagged, offloaded_tags
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
+_HOST_BUFFER = re.compile(r'= (\w+)\[([\d,]*)\]\{[^}]*:S\(5\)\} custom-call\(\), '
+                          r'custom_call_target="AllocateBuffer"')
 _MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
 
 
@@ -50,3 +58,28 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
                 f"exported program has {placement} annotations {dict(exported.get(placement, {}))}"
                 f" but the traced program offloads {dict(expected)}")
     return {(t.scan, t.tag) for sites in traced.values() for t in sites}
+
+
+def host_buffers(hlo: str) -> Counter:
+    """(shape, dtype) -> how many buffers an optimized GPU program allocates in host memory."""
+    return Counter((tuple(int(d) for d in dims.split(",") if d), _MLIR_DTYPES.get(dtype, dtype))
+                   for dtype, dims in _HOST_BUFFER.findall(hlo))
+
+
+def compiled_host_buffers(hlo: str, offloaded: list[Tagged]) -> set[tuple[str, str]]:
+    """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose
+    stack over its layers, [count, *shape], the compiled program keeps in host memory.
+
+    A host buffer that no offloaded value accounts for is an error: the program moves
+    something no table asked for."""
+    left = host_buffers(hlo)
+    found = set()
+    for value in offloaded:
+        key = ((value.count, *value.shape), str(value.dtype))
+        if left[key] > 0:
+            left[key] -= 1
+            found.add((value.scan, value.tag))
+    if +left:
+        raise PlacementError(f"the compiled program keeps buffers in host memory that no "
+                             f"offloaded tag accounts for: {dict(+left)}")
+    return found

@@ -3,9 +3,10 @@
 import sys
 from pathlib import Path
 
-import jax
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
+import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)

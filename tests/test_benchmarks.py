@@ -21,3 +21,13 @@ def test_gpu_check_measures_a_row(row):
     result = gpu_check.measure_row(row, smoke=True, steps=1)
     assert result["step_ms"] > 0 and result["tflops_per_device"] > 0
     assert math.isnan(result["peak_device_gib"])  # the CPU backend reports no memory stats
+
+
+def test_the_compile_table_compiles_a_row(capsys):
+    spec = importlib.util.spec_from_file_location("compile_table", "benchmarks/compile_table.py")
+    compile_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_table)
+    assert compile_table.main(["llama8b-offload", "model.n_layers=2"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split(" | ")
+    assert row[0] == "| llama8b-offload" and row[9] == "fits"
+    assert float(row[7]) == float(row[8]) > 0  # compiled host bytes equal the plan's

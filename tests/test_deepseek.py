@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import backend
 import training
 from model import common, deepseek
 from model.checkpoint import dequantize_fp8
@@ -173,7 +174,7 @@ def tiny_params(cfg=TINY, seed=0):
 def loss_and_grads(params, batch, tables, expert_path):
     tables = None if tables is None else {s: dict(t) for s, t in tables}
     loss = training.make_loss(TINY, dataclasses.replace(RUN, expert_path=expert_path), tables,
-                              rules=None)
+                              rules=None, target=backend.Target("cpu"))
     return jax.value_and_grad(lambda p: loss(p, batch)[0])(params)
 
 
@@ -243,14 +244,14 @@ def test_the_plan_shows_the_studys_deepseek_memory_facts():
     """experiments.md, DeepSeek row 4 and its note: saving the selected activations on device
     fits at micro batch 2, not at 8; offloading them fits at 8, with host memory to spare.
     Full scale, 128 GB200s, experts split over the GPUs."""
-    import train
+    import plan
     from configs import get
     fits = {}
     for name in ("deepseek671b-device", "deepseek671b-device-mb8", "deepseek671b-offload"):
         experiment = get(name)
         tables = policies.placement_tables(experiment.run.policy, {},
                                            policies.SCAN_TAGS["deepseek"])
-        fits[name] = train.full_scale_plan(experiment, tables)
+        fits[name] = plan.full_scale(experiment, tables)
     assert fits["deepseek671b-device"].fits
     assert fits["deepseek671b-device-mb8"].peak_estimate > fits["deepseek671b-device-mb8"].capacity
     offload = fits["deepseek671b-offload"]

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import nvfp4_reference as ref
+import backend
+import training
 from model import quant
 
 # Jitted: the encoder's numerics must hold under XLA's compilation, not just op by op.
@@ -194,15 +196,13 @@ def test_dequantize_einsum_matches_reference(subscripts, x_shape, w_shape, axis,
 
 
 def fake_scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type, configs):
-    """scaled_dot_general without the quantization (it has no CPU lowering). Traced under jit,
-    so a wrong global scale turns the result into NaN instead of failing an assert."""
-    right = True
-    for config, operand in zip(configs, (lhs, rhs)):
+    """scaled_dot_general without the quantization (it has no CPU lowering): the operands
+    arrive divided by their tensor scales, with unit global scales in the configs."""
+    for config in configs:
         assert config.mode == "nvfp4" and config.global_scale.shape == ()
-        right &= config.global_scale == quant.tensor_scale(operand)
-    out = jax.lax.dot_general(lhs, rhs, dimension_numbers,
-                              preferred_element_type=preferred_element_type)
-    return jnp.where(right, out, jnp.nan)
+        assert config.global_scale == 1
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers,
+                               preferred_element_type=preferred_element_type)
 
 
 @pytest.mark.parametrize("subscripts, x_shape, w_shape", [
@@ -216,11 +216,67 @@ def test_scaled_einsum_translates_subscripts(monkeypatch, subscripts, x_shape, w
     monkeypatch.setattr(jax.nn, "scaled_dot_general", fake_scaled_dot_general)
     rng = np.random.default_rng(8)
     x, w = sample(rng, x_shape, "gaussian"), sample(rng, w_shape, "gaussian")
-    out = einsum(subscripts, jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), 0, path="scaled")
-    assert out.dtype == jnp.bfloat16
-    expected = jnp.einsum(subscripts, jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
-                          preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(as64(out), as64(expected), rtol=1e-2, atol=1e-2)
+    out = einsum(subscripts, jnp.asarray(x), jnp.asarray(w), 0, path="scaled")
+    expected = np.einsum(subscripts, x.astype(np.float64), w.astype(np.float64))
+    np.testing.assert_allclose(as64(out), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    bf16 = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    assert jax.eval_shape(partial(einsum, subscripts, w=jnp.asarray(w), axis=0, path="scaled"),
+                          bf16).dtype == jnp.bfloat16
+
+
+@pytest.fixture
+def block_scaled_matmul_on_cpu(monkeypatch):
+    """JAX's block-scaled matmul custom call (no CPU lowering) replaced by its arithmetic: each
+    operand's E2M1 codes times its E4M3 block scales, then a matmul in f32. All around it
+    (JAX's quantization, global scales, straight-through backward) is JAX's own."""
+    # Reaching inside: the custom call's Python wrapper, looked up by name in this module.
+    from jax._src.cudnn import scaled_matmul_stablehlo
+
+    def matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
+        def values(codes, scales):  # [B, M, K], [B, M, K / 16]
+            blocks = codes.astype(jnp.float32).reshape(*scales.shape, -1)
+            return (blocks * scales.astype(jnp.float32)[..., None]).reshape(codes.shape)
+        return jnp.einsum("bmk,bnk->bmn", values(lhs, lhs_scales),
+                          values(rhs, rhs_scales)).astype(preferred_element_type)
+
+    monkeypatch.setattr(scaled_matmul_stablehlo, "scaled_matmul_wrapper", matmul)
+
+
+def global_scale_einsum(x, w):
+    """The FP4 product as JAX documents it: each operand's tensor scale in its config."""
+    configs = [jax.nn.get_scaled_dot_general_config(
+        "nvfp4", global_scale=jax.lax.stop_gradient(quant.tensor_scale(a))) for a in (x, w)]
+    configs.append(jax.nn.get_scaled_dot_general_config("nvfp4"))
+    return jax.nn.scaled_dot_general(x, w, (((2,), (0,)), ((), ())),
+                                     preferred_element_type=x.dtype, configs=configs)
+
+
+def test_the_fp4_path_trains_under_scan_and_checkpoint(block_scaled_matmul_on_cpu):
+    """Layers run under scan and jax.checkpoint. JAX keeps a config's global scale as a
+    constant of the traced function, so scales computed from the data cannot go there (the
+    documented call fails under both); the FP4 path scales the operands itself instead, and
+    gives the documented call's loss and gradients, computed outside scan and checkpoint."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((2, 8, 64)) * 3, jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((3, 64, 64)) / 8, jnp.float32)
+
+    def scanned(product, x, weights):
+        layer = jax.checkpoint(lambda h, w: (jnp.tanh(product(h, w)), None))
+        return jnp.sum(jnp.square(jax.lax.scan(layer, x, weights)[0]))
+
+    def unrolled(x, weights):
+        for w in weights:
+            x = jnp.tanh(global_scale_einsum(x, w))
+        return jnp.sum(jnp.square(x))
+
+    fp4 = partial(quant.nvfp4_einsum, "btd,de->bte", axis=0, path="scaled")
+    loss, grads = jax.jit(jax.value_and_grad(partial(scanned, fp4), argnums=(0, 1)))(x, weights)
+    expected_loss, expected = jax.jit(jax.value_and_grad(unrolled, argnums=(0, 1)))(x, weights)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6 * np.abs(e).max())
+    with pytest.raises(jax.errors.UnexpectedTracerError):  # the scale escapes its trace
+        jax.jit(jax.grad(partial(scanned, global_scale_einsum)))(x, weights)
 
 
 def test_scaled_path_exports_for_cuda():
@@ -265,17 +321,15 @@ def test_shape_errors():
         quant.nvfp4_einsum("bd,dn->bn", jnp.ones((2, 32)), jnp.ones((32, 8)), 0, path="fp4")
 
 
-class FakeDevice:
-    def __init__(self, compute_capability):
-        self.compute_capability = compute_capability
-
-
-@pytest.mark.parametrize("capability, expected", [("10.0", True), ("10.3", True),
-                                                  ("9.0", False), ("12.0", False)])
-def test_blackwell(monkeypatch, capability, expected):
-    assert not quant.blackwell()  # the CPU devices have no compute capability
-    monkeypatch.setattr(jax, "devices", lambda: [FakeDevice(capability)])
-    assert quant.blackwell() == expected
+@pytest.mark.parametrize("capability, tiles, path", [
+    ((10, 0), "1x16", "scaled"), ((10, 3), "1x16", "scaled"), ((10, 0), "16x16", "dequantize"),
+    ((9, 0), "1x16", "dequantize"), ((12, 0), "1x16", "dequantize"), (None, "1x16", "dequantize")])
+def test_the_fp4_path_only_on_blackwell_with_1x16_blocks(capability, tiles, path):
+    """The target, not the machine the step is traced on, picks the NVFP4 path: a GB200
+    target compiled on this CPU gets FP4 tensor cores, the CPU itself the accuracy path."""
+    run = training.RunConfig(quant="nvfp4", quant_tiles=tiles)
+    target = backend.Target("gpu" if capability else "cpu", capability)
+    assert training.quantization(run, target).path == path
 
 
 # The model: every layer matrix quantized along the axis its einsum contracts, nothing else.

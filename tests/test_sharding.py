@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import backend
 import training
 from configs import OptimizerConfig, RunConfig
 from model import common, deepseek, llama
@@ -19,12 +20,12 @@ CFG = LlamaConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, hea
                   d_ff=96, rope_theta=1000.0)
 
 
-def step(params, batch, rules):
+def step(params, batch, rules, loss_chunks=1):
     optimizer = training.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = policies.checkpoint_policy(policies.PRESETS["qkv_offload"])
     loss = partial(training.loss_fn, model=CFG, policies={"layers": policy}, rules=rules,
-                   dtype=jnp.float32)
+                   dtype=jnp.float32, loss_chunks=loss_chunks)
     grads = jax.grad(loss, has_aux=True)(params, batch)
     _, metrics = training.train_step(state, batch, loss=loss, optimizer=optimizer)
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
@@ -32,7 +33,10 @@ def step(params, batch, rules):
     return grads, metrics
 
 
-def test_fsdp_over_8_devices_equals_one_device():
+@pytest.mark.parametrize("loss_chunks", [1, 4])
+def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
+    """Also: the loss in 4 chunks of the sequence (logits recomputed per chunk in the
+    backward pass) equals the loss of all logits at once, gradients included."""
     specs = llama.param_specs(CFG)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     eight = common.make_mesh((1, 8), ("data", "fsdp"))
@@ -44,7 +48,8 @@ def test_fsdp_over_8_devices_equals_one_device():
     sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
     assert sharded_params["layers"]["wq"].sharding.spec[1] == "fsdp"  # really sharded
     sharded_batch = jax.device_put(batch, rules.sharding(("batch", None)))
-    sharded = jax.jit(partial(step, rules=rules))(sharded_params, sharded_batch)
+    sharded = jax.jit(partial(step, rules=rules, loss_chunks=loss_chunks))(sharded_params,
+                                                                          sharded_batch)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
                  sharded, reference)
 
@@ -74,7 +79,7 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel,
                     expert_parallel=expert_parallel)
 
     def loss_and_grads(params, batch, rules, run, tables):
-        loss = training.make_loss(DEEPSEEK, run, tables, rules)
+        loss = training.make_loss(DEEPSEEK, run, tables, rules, backend.Target("cpu"))
         return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
     reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
@@ -92,8 +97,8 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel,
 
 def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     """Expert parallelism with small blocks, against float64 numpy: per device, (token,
-    expert) pairs in token order (then choice) fill the block of C rows of the device holding
-    their expert; the rest are dropped and add nothing; every kept pair is computed exactly."""
+    expert) pairs in token order (then choice) fill their expert's block of C rows; the rest
+    are dropped and add nothing; every kept pair is computed exactly."""
     cfg, devices, capacity = DEEPSEEK, 8, 0.5
     rng = np.random.default_rng(3)
     x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
@@ -108,19 +113,19 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     weights, experts, _ = deepseek.route(x.reshape(-1, cfg.d_model), layer["router"],
                                          layer["router_bias"], cfg)
     weights, experts = np.asarray(weights).reshape(8, 6, -1), np.asarray(experts).reshape(8, 6, -1)
-    k, local = cfg.experts_per_token, cfg.n_experts // devices
+    k = cfg.experts_per_token
     room = parallel.block_rows(6, k, cfg.n_experts)
-    assert room < 6 * min(k, local)  # small enough to drop
+    assert room < 6  # small enough to drop
     w64 = {name: np.asarray(a, np.float64) for name, a in layer.items()}
     want, dropped = np.zeros(x.shape), 0
     for d in range(devices):
-        used = np.zeros(devices, int)
+        used = np.zeros(cfg.n_experts, int)
         for t, j in ((t, j) for t in range(6) for j in range(k)):
             e = experts[d, t, j]
-            if used[e // local] == room:
+            if used[e] == room:
                 dropped += 1
                 continue
-            used[e // local] += 1
+            used[e] += 1
             h = x[d, t].astype(np.float64)
             gate, up = h @ w64["we_gate"][e], h @ w64["we_up"][e]
             want[d, t] += weights[d, t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w64["we_down"][e])
@@ -129,3 +134,37 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
         want[d] += (gate / (1 + np.exp(-gate)) * up) @ w64["w_down"]
     assert dropped > 0 and int(stats["expert_dropped"]) == dropped
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_dispatch_and_combine_transpose_by_gathers():
+    """The exchange's gather-only dispatch and combine give autodiff's gradients of the
+    plain gather and scatter-add they replace, dropped pairs and empty slots included."""
+    S, k, D, slots = 6, 3, 5, 16
+    rng = np.random.default_rng(4)
+    x, weights = rng.normal(size=(S, D)), rng.normal(size=(S, k))
+    blocks = rng.normal(size=(slots, D))
+    pair_slots = rng.permutation(slots + 4)[: S * k].reshape(S, k)  # >= slots: dropped
+    slot_pairs = np.full(slots, S * k)  # S * k: an empty slot
+    kept = pair_slots.reshape(-1) < slots
+    slot_pairs[pair_slots.reshape(-1)[kept]] = np.arange(S * k)[kept]
+    assert (~kept).any() and (slot_pairs == S * k).any()
+
+    def dispatched(x):
+        return jnp.zeros((slots, D)).at[jnp.asarray(pair_slots)].set(
+            jnp.broadcast_to(x[:, None], (S, k, D)), mode="drop")
+
+    def combined(blocks, weights):
+        rows = jnp.take(blocks, jnp.asarray(pair_slots), axis=0, mode="fill", fill_value=0)
+        return (rows * weights[..., None]).sum(axis=1)
+
+    probe, probe_out = rng.normal(size=(slots, D)), rng.normal(size=(S, D))
+    for ours, plain, args, out_probe in [
+            (lambda x: deepseek._dispatch(x, slot_pairs, pair_slots), dispatched, (x,), probe),
+            (lambda b, w: deepseek._combine(b, w, slot_pairs, pair_slots), combined,
+             (blocks, weights), probe_out)]:
+        np.testing.assert_allclose(ours(*args), plain(*args), rtol=1e-6)
+        grads = jax.grad(lambda *a: jnp.sum(ours(*a) * out_probe), argnums=range(len(args)))
+        expected = jax.grad(lambda *a: jnp.sum(plain(*a) * out_probe),
+                            argnums=range(len(args)))
+        for got, want in zip(grads(*args), expected(*args)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

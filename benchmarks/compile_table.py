@@ -1,0 +1,67 @@
+"""Every full-scale study row compiled for its GPUs without a GPU, one markdown table.
+
+    python benchmarks/compile_table.py [EXPERIMENT ...] [key=value ...]
+
+Each row goes through `train.build` on compile-only devices, as `make compile-ROW` does:
+XLA's per-device memory of the compiled step beside the static plan, the study's figure where
+it gives one, and whether the step fits the memory JAX takes of the GPU.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import backend  # noqa: E402  (before JAX: no CUDA plugin start-up noise without a GPU)
+import configs  # noqa: E402
+import train  # noqa: E402
+from configs.gpus import GPUS  # noqa: E402
+from offload import memory  # noqa: E402
+
+GiB = 2**30
+ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
+        "deepseek671b-device-mb8"]
+# The study's GPU memory per device, where it reports one (experiments.md): DeepSeek-V3 with
+# offload + LHS + pipelined transfers, and the same without LHS and pipelining.
+STUDY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
+
+
+def row(name: str, overrides: list[str], targets: dict) -> list[str]:
+    started = time.perf_counter()
+    setup = train.resolve(name, overrides, full=True)
+    run = setup.run
+    key = (run.device, run.mesh.data * run.mesh.fsdp)
+    if key not in targets:
+        targets[key] = backend.compile_only(GPUS[key[0]], key[1])
+    built = train.build(setup, targets[key])
+    compiled = memory.CompiledMemory.of(built.compiled)
+    static = built.full_plan
+    usable = backend.pool_bytes(GPUS[run.device])
+    study = STUDY_GIB.get(name)
+    return [name, f"{compiled.arguments / GiB:.1f}", f"{compiled.temporaries / GiB:.1f}",
+            f"{compiled.device / GiB:.1f}", f"{static.peak_estimate / GiB:.1f}",
+            f"{static.peak_estimate / compiled.device - 1:+.0%}",
+            "-" if study is None else f"{study:.1f}",
+            f"{compiled.host / GiB:.1f}", f"{static.host_activations / GiB:.1f}",
+            "fits" if compiled.device <= usable else "DOES NOT FIT",
+            f"{built.compile_s:.0f}", f"{time.perf_counter() - started:.0f}"]
+
+
+def main(argv: list[str]) -> int:
+    names = [a for a in argv if "=" not in a] or ROWS
+    overrides = [a for a in argv if "=" in a]
+    header = ["row", "arguments", "temporaries", "device total", "static plan", "plan vs compiled",
+              "study", "host", "plan host", "verdict", "compile s", "all s"]
+    print(f"GiB per device; {backend.memory_fraction()[1]}={backend.memory_fraction()[0]:g} "
+          f"of each GPU's memory for XLA's pool")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    targets: dict = {}
+    for name in names:
+        print("| " + " | ".join(row(name, overrides, targets)) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""The GPUs a run is planned and compiled for, each described by XLA's own target spec.
+
+`gpu_specs/*.txtpb` are XLA's GPU target descriptions (a `GpuTargetConfigProto` per GPU, read
+off real devices), kept as published; README.md there names their source. They give the
+device memory the plans measure against and the compute capability that picks kernels, and
+they let `--compile` run XLA's real GPU compiler without a GPU. No JAX import (see configs).
+"""
+
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+SPECS = Path(__file__).resolve().parent / "gpu_specs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str  # the key users type: device=gb200
+    per_host: int  # GPUs per host in the usual system (a GB200 NVL72 tray: 4; a DGX: 8)
+    host_memory: int  # bytes of host memory per GPU there (hardware.md)
+
+    @functools.cached_property
+    def spec(self) -> str:
+        return (SPECS / f"{self.name}.txtpb").read_text()
+
+    def _field(self, name: str) -> str:
+        return re.search(rf"^\s*{name}: (.+)$", self.spec, re.MULTILINE).group(1)
+
+    @property
+    def memory(self) -> int:
+        """The GPU's memory in bytes, as the driver reports it (what JAX takes a fraction of)."""
+        return int(self._field("device_memory_size"))
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        block = re.search(r"cuda_compute_capability \{([^}]*)\}", self.spec).group(1)
+        numbers = dict(re.findall(r"(major|minor): (\d+)", block))
+        return int(numbers.get("major", 0)), int(numbers.get("minor", 0))
+
+    @property
+    def device_kind(self) -> str:
+        return self._field("name").strip('"')
+
+    def target_config(self) -> str:
+        """The spec as jaxlib 0.10.2's `GpuTargetConfigProto` parses it: without the comments,
+        without `collective_memory_granularity` (a newer field it does not know, which fails
+        the parse), and with the top-level `runtime_version` message this version reads where
+        newer specs only carry the `gpu_device_info.runtime_version` string."""
+        lines = [line for line in self.spec.splitlines() if not line.lstrip().startswith("#")
+                 and "collective_memory_granularity" not in line]
+        major, minor, patch = self._field("runtime_version").strip('"').split(".")
+        lines.append(f"runtime_version {{ major: {major} minor: {minor} patch: {patch} }}")
+        return "\n".join(lines) + "\n"
+
+    def topology(self, devices: int) -> str:
+        """XLA's topology for `devices` GPUs in hosts of `per_host`: slices x hosts x GPUs."""
+        per_host = min(self.per_host, devices)
+        if devices % per_host:
+            raise ValueError(f"{devices} {self.name} GPUs do not fill hosts of {per_host}")
+        return f"1x{devices // per_host}x{per_host}"
+
+
+# A GB200 NVL72 Grace has 480 GB for its two GPUs; a DGX B200 / H200 / H100 has 2 TB for eight.
+GPUS = {gpu.name: gpu for gpu in (
+    Gpu("gb200", per_host=4, host_memory=240 * 10**9),
+    Gpu("b200", per_host=8, host_memory=256 * 10**9),
+    Gpu("h200", per_host=8, host_memory=256 * 10**9),
+    Gpu("h100", per_host=8, host_memory=256 * 10**9),
+)}

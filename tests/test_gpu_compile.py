@@ -1,0 +1,213 @@
+"""The GPU program, compiled on this CPU machine for the study's GPUs (compile-only devices made
+from XLA's target specs): every experiment row through the builder a GPU run uses, and what
+XLA really does with the offloads, against the study's tables."""
+
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import backend
+import configs
+import plan
+import report
+import train
+from configs.gpus import GPUS
+from model import common
+from model.config import DeepSeekConfig
+from offload import memory, placement, trace
+from offload.trace import Tagged
+
+GiB = 2**30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Fewer layers, full width, the real sequence and micro batch. Two per scan: XLA stacks an
+# offloaded value in host memory only in a loop that runs more than once (see below).
+FEWER_LAYERS = {"llama": ["model.n_layers=2"],
+                "deepseek": ["model.n_layers=4", "model.n_dense_layers=2"]}
+# What each study row offloads, from experiments.md (not from the presets): Q/K/V in the Llama
+# offload rows; in DeepSeek's the MLA query and key/value intermediates and the routed
+# experts' up-projections in the MoE layers, the MLP up-projections in the dense layers (the
+# down-projection the study names is never read by the backward pass: nothing to place).
+LLAMA_QKV = {("layers", t) for t in ("query_proj", "key_proj", "value_proj")}
+DEEPSEEK = ({("dense_layers", t) for t in ("mlpwi_0", "mlpwi_1")}
+            | {("moe_layers", t) for t in ("query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
+                                           "moe_mlpwi_0", "moe_mlpwi_1")})
+# The study's GPU memory per device where it reports one (experiments.md): those rows compile
+# at full depth, and must fit in it.
+STUDY_MEMORY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
+IN_HOST_MEMORY = {
+    "llama405b-baseline": set(), "llama405b-offload": LLAMA_QKV,
+    "llama405b-offload-nolhs": LLAMA_QKV, "llama405b-offload-pipelined": LLAMA_QKV,
+    "llama8b-offload": LLAMA_QKV, "llama70b-offload": LLAMA_QKV,
+    "deepseek671b-remat": set(), "deepseek671b-offload-nolhs": DEEPSEEK,
+    "deepseek671b-offload": DEEPSEEK, "deepseek671b-device": set(),
+    "deepseek671b-device-mb8": set(),
+}
+
+
+@functools.cache
+def gpus(name: str, count: int) -> backend.Target:
+    return backend.compile_only(GPUS[name], count)
+
+
+def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> train.Built:
+    """What `python train.py NAME ...` does on the experiment's own GPUs (or `device`s) up to
+    its first step: resolve against the devices there, then build."""
+    run = configs.get(name).run
+    target = gpus(device or run.device, run.mesh.data * run.mesh.fsdp)
+    setup = train.resolve(name, overrides, target.devices)
+    assert setup.scale == "full"
+    return train.build(setup, target)
+
+
+def custom_call_operands(hlo: str, target: str) -> list[list[tuple[int, ...]]]:
+    """The operand shapes of every custom call to `target` in an optimized HLO module."""
+    found = []
+    for line in hlo.splitlines():
+        if f'custom_call_target="{target}"' in line:
+            operands = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", line)
+            found.append([tuple(map(int, dims.split(","))) for dims in
+                          re.findall(r"\w+\[([\d,]+)\]", operands.group(1))])
+    return found
+
+
+def test_the_experiment_table_is_covered():
+    assert set(IN_HOST_MEMORY) == set(configs.EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", sorted(IN_HOST_MEMORY))
+def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
+    """A GPU run's own path up to its first step (the full-scale plan, traced with kernels
+    every backend has, included), on compile-only GPUs: full width, real sequence and micro
+    batch, the row's policy, XLA flags, NVFP4 setting and expert parallelism, gradients and
+    optimizer included, for the row's GPU (GB200: Blackwell) over its real mesh. cuDNN
+    attention, FP4 GEMMs where NVFP4 is on, and exactly the study's tensors in host memory,
+    as many bytes as the plan says. Where the study measured the row's memory, the whole
+    model compiles, within it, and the static plan lands within 5% of the compiled figure."""
+    experiment = configs.get(name)
+    family = "deepseek" if isinstance(experiment.model, DeepSeekConfig) else "llama"
+    built = built_as_a_gpu_run(name, [] if name in STUDY_MEMORY_GIB else FEWER_LAYERS[family])
+    hlo = built.compiled.as_text()
+    assert {(line.value.scan, line.value.tag) for line in built.run_tags
+            if line.in_host_memory} == IN_HOST_MEMORY[name]
+    planned = sum(line.value.nbytes * line.value.count for line in built.run_tags
+                  if line.offloaded)
+    compiled = memory.CompiledMemory.of(built.compiled)
+    assert compiled.host == planned
+    if name in STUDY_MEMORY_GIB:
+        assert compiled.device <= STUDY_MEMORY_GIB[name] * GiB
+        assert abs(built.full_plan.peak_estimate / compiled.device - 1) <= 0.05
+    attention = custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
+    assert attention and custom_call_operands(hlo, "__cudnn$fmhaSoftmaxBackward")
+    if family == "deepseek":  # MLA: q and k 192 wide, v 128 as it is (no zero padding)
+        qk = experiment.model.qk_nope_dim + experiment.model.qk_rope_dim
+        assert {(q[-1], k[-1], v[-1]) for q, k, v in attention} == {
+            (qk, qk, experiment.model.v_head_dim)}
+    fp4 = experiment.run.quant == "nvfp4" and GPUS[experiment.run.device].capability[0] == 10
+    assert ('"__cudnn$blockScaledDot"' in hlo) == fp4
+
+
+def test_a_one_layer_scan_is_annotated_for_host_but_compiled_on_device():
+    """Why the placement list reads the compiled program: with one layer, JAX's export still
+    annotates Q/K/V for pinned host memory, while XLA keeps them on the device."""
+    built = built_as_a_gpu_run("llama8b-offload", ["model.n_layers=1"])
+    asked = {line.value.tag for line in built.run_tags if line.offloaded}
+    assert asked == {tag for _, tag in LLAMA_QKV}
+    assert not any(line.in_host_memory for line in built.run_tags)
+    assert memory.CompiledMemory.of(built.compiled).host == 0
+    listing = "\n".join(plan.placement_lines(built.run_tags))
+    assert listing.count("NOT IN HOST MEMORY") == 3
+
+
+def test_host_buffers_no_tag_asked_for_are_an_error():
+    hlo = ('%custom-call.4 = bf16[4,1,2048,16,128]{4,3,2,1,0:S(5)} custom-call(), '
+           'custom_call_target="AllocateBuffer", metadata={scheduling_name="custom-call.4"}')
+    assert placement.host_buffers(hlo) == {((4, 1, 2048, 16, 128), "bfloat16"): 1}
+    value = Tagged("query_proj", (1, 2048, 16, 128), jnp.dtype(jnp.bfloat16), 4, "layers")
+    assert placement.compiled_host_buffers(hlo, [value]) == {("layers", "query_proj")}
+    with pytest.raises(placement.PlacementError, match="no offloaded tag"):
+        placement.compiled_host_buffers(hlo, [])
+
+
+def test_cudnn_takes_mla_attention_unpadded():
+    """The cuDNN path traced for a Hopper target: q/k 192 wide, v 128, no pad of v."""
+    q = jax.ShapeDtypeStruct((1, 256, 4, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    with backend.kernel_checks(gpus("h200", 8)):
+        jaxpr = jax.make_jaxpr(lambda q, k, v: common.causal_attention(
+            q, k, v, implementation="cudnn"))(q, q, v)
+    assert jaxpr.out_avals[0].shape == (1, 256, 4, 128)
+    assert "pad" not in {eqn.primitive.name for eqn, *_ in trace._walk(jaxpr.jaxpr)}
+
+
+def test_the_gpu_run_path_builds_and_reports_on_compile_only_gpus(tmp_path, capsys):
+    """What a run on 8 H200s does before its first step, on compile-only devices: the
+    full-scale plan (traced with kernels every backend has, so it needs no device), the step
+    compiled with the run's own kernels and flags, its placement list read off the compiled
+    program, and its header."""
+    built = built_as_a_gpu_run("llama8b-offload", ["model.n_layers=2", f"out_dir={tmp_path}"],
+                               device="h200")
+    assert built.full_plan.host_activations == 32 * 192 * 2**20  # the 32-layer model's Q/K/V
+    setup = train.resolve("llama8b-offload", ["model.n_layers=2", f"out_dir={tmp_path}"],
+                          built.target.devices)
+    report.RunLog(setup, built, batch_size=16, flops=1e12)
+    out = capsys.readouterr().out
+    assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out
+    assert "attention cudnn" in out
+    assert "checked on the compiled program's host buffers" in out
+    assert re.search(r"the step needs [\d.]+ GiB of JAX's 133.9 GiB pool per GPU "
+                     r"\(XLA_CLIENT_MEM_FRACTION=0.95\) and 0.4 GiB of pinned host memory", out)
+
+
+def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
+    """The DeepSeek offload row fits the 95% of a GB200 the trainer gives XLA's pool, and not
+    the 75% JAX takes by default."""
+    gpu = GPUS["gb200"]
+    assert gpu.memory == 197_897_748_480  # the spec's device_memory_size: 184.3 GiB
+    experiment = configs.get("deepseek671b-offload")
+    tables = train.placement_tables(experiment.model, experiment.run)
+    assert backend.pool_bytes(gpu) == int(0.95 * gpu.memory)
+    assert plan.full_scale(experiment, tables).fits
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.75")
+    assert backend.pool_bytes(gpu) == int(0.75 * gpu.memory)
+    assert not plan.full_scale(experiment, tables).fits
+
+
+def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
+    code = ("import backend, os; backend.this_machine(); "
+            "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), backend.memory_fraction())")
+    env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k}
+
+    def ask(**extra):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env={**env, **extra}, timeout=120, check=True, cwd=ROOT)
+        assert result.stderr == ""  # the CUDA plugin's start-up messages dropped
+        return result.stdout.strip()
+
+    assert ask() == "0.95 (0.95, 'XLA_CLIENT_MEM_FRACTION')"
+    # The older variable alone (jaxlib refuses both together): kept, and planned against.
+    assert ask(XLA_PYTHON_CLIENT_MEM_FRACTION="0.8") == (
+        "None (0.8, 'XLA_PYTHON_CLIENT_MEM_FRACTION')")
+
+
+def test_compile_command_prints_compiled_memory_beside_the_plan(capsys):
+    assert train.main(["llama405b-offload", "--compile", "model.n_layers=2"]) == 0
+    out = capsys.readouterr().out
+    assert "for 128 x NVIDIA GB200, compile-only" in out and "topology 1x32x4" in out
+    assert out.count("pinned host: its stacked buffer in memory space S(5)") == 3
+    assert re.search(r"device total\s+[\d.]+ GiB\s+[\d.]+ GiB", out)
+    assert "FITS" in out and "XLA_CLIENT_MEM_FRACTION=0.95 x 184.3 GiB" in out
+    assert "cuDNN workspaces (0 without a GPU)" in out
+
+
+def test_compile_command_rejects_bad_input(capsys):
+    assert train.main(["llama405b-offload", "--compile", "device=a100"]) == 2
+    assert capsys.readouterr().err.startswith("error: device='a100': choose one of")
+    assert train.main(["llama405b-offload", "--compile", "mesh.fsdp=-1"]) == 2
+    assert "set mesh.fsdp" in capsys.readouterr().err
