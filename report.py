@@ -53,11 +53,11 @@ def kernels_line(model, run, mesh, target) -> str:
             parts.append(_quantization_words(value))
         elif name != "expert_parallel":
             parts.append(f"{name} {value or 'xla'}")
-        elif value is not None:
+        else:
             room = (f"blocks {value.capacity:g}x the balanced share" if value.capacity
                     else "blocks sized for the worst case: dropless")
             devices = f"{value.devices} device" + "s" * (value.devices > 1)
-            parts.append(f"experts split over {devices} ({room})")
+            parts.append(f"experts split over {devices} ({room}; one GEMM per expert)")
     return ", ".join(parts)
 
 

@@ -165,11 +165,12 @@ def forward_options(model, run: RunConfig, fsdp_devices: int, target: Target) ->
         attention = "cudnn" if fused else "xla"
     options = {"attention": None if attention == "xla" else attention,
                "quantization": quantization(run, target)}
-    if isinstance(model, DeepSeekConfig):
+    if isinstance(model, DeepSeekConfig) and run.expert_parallel:
+        # A device runs each of its experts as one GEMM over its blocks: no expert path.
+        options["expert_parallel"] = deepseek.ExpertParallel(fsdp_devices, run.expert_capacity)
+    elif isinstance(model, DeepSeekConfig):
         path = run.expert_path
         options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
-        options["expert_parallel"] = (deepseek.ExpertParallel(fsdp_devices, run.expert_capacity)
-                                      if run.expert_parallel else None)
     return options
 
 

@@ -113,16 +113,29 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
     assert ('"__cudnn$blockScaledDot"' in hlo) == fp4
 
 
-def test_a_one_layer_scan_is_annotated_for_host_but_compiled_on_device():
-    """Why the placement list reads the compiled program: with one layer, JAX's export still
-    annotates Q/K/V for pinned host memory, while XLA keeps them on the device."""
-    built = built_as_a_gpu_run("llama8b-offload", ["model.n_layers=1"])
+def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
+    """What a run on 8 H200s does before its first step, on compile-only devices: the
+    full-scale plan (traced with kernels every backend has, so it needs no device), the step
+    compiled with the run's own kernels and flags, its placement list read off the compiled
+    program, and its header. With one layer, JAX's export still annotates Q/K/V for pinned
+    host memory while XLA keeps them on the device: the list says so."""
+    overrides = ["model.n_layers=1", f"out_dir={tmp_path}"]
+    built = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
+    assert built.full_plan.host_activations == 32 * 192 * 2**20  # the 32-layer model's Q/K/V
     asked = {line.value.tag for line in built.run_tags if line.offloaded}
     assert asked == {tag for _, tag in LLAMA_QKV}
     assert not any(line.in_host_memory for line in built.run_tags)
     assert memory.CompiledMemory.of(built.compiled).host == 0
-    listing = "\n".join(plan.placement_lines(built.run_tags))
-    assert listing.count("NOT IN HOST MEMORY") == 3
+    setup = train.resolve("llama8b-offload", overrides, built.target.devices)
+    report.RunLog(setup, built, batch_size=16, flops=1e12)
+    out = capsys.readouterr().out
+    assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out
+    assert "attention cudnn" in out
+    assert "checked on the compiled program's host buffers" in out
+    assert re.search(r"the step needs [\d.]+ GiB of JAX's 133.9 GiB pool per GPU "
+                     r"\(XLA_CLIENT_MEM_FRACTION=0.95\) and 0.0 GiB of pinned host memory", out)
+    assert out.count("NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it") == 3
 
 
 def test_host_buffers_no_tag_asked_for_are_an_error():
@@ -144,26 +157,6 @@ def test_cudnn_takes_mla_attention_unpadded():
             q, k, v, implementation="cudnn"))(q, q, v)
     assert jaxpr.out_avals[0].shape == (1, 256, 4, 128)
     assert "pad" not in {eqn.primitive.name for eqn, *_ in trace._walk(jaxpr.jaxpr)}
-
-
-def test_the_gpu_run_path_builds_and_reports_on_compile_only_gpus(tmp_path, capsys):
-    """What a run on 8 H200s does before its first step, on compile-only devices: the
-    full-scale plan (traced with kernels every backend has, so it needs no device), the step
-    compiled with the run's own kernels and flags, its placement list read off the compiled
-    program, and its header."""
-    built = built_as_a_gpu_run("llama8b-offload", ["model.n_layers=2", f"out_dir={tmp_path}"],
-                               device="h200")
-    assert built.full_plan.host_activations == 32 * 192 * 2**20  # the 32-layer model's Q/K/V
-    setup = train.resolve("llama8b-offload", ["model.n_layers=2", f"out_dir={tmp_path}"],
-                          built.target.devices)
-    report.RunLog(setup, built, batch_size=16, flops=1e12)
-    out = capsys.readouterr().out
-    assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
-    assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out
-    assert "attention cudnn" in out
-    assert "checked on the compiled program's host buffers" in out
-    assert re.search(r"the step needs [\d.]+ GiB of JAX's 133.9 GiB pool per GPU "
-                     r"\(XLA_CLIENT_MEM_FRACTION=0.95\) and 0.4 GiB of pinned host memory", out)
 
 
 def test_plans_measure_against_the_memory_jax_takes(monkeypatch):

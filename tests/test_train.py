@@ -235,7 +235,7 @@ def test_a_deepseek_experiment_runs_end_to_end(tmp_path, capsys):
                               "model.n_layers=2", "expert_parallel=true"], tmp_path, capsys)
     assert code == 0, err
     assert "671,026,419,200 parameters" in out and "moe_layers" in out
-    assert "experts split over 8 devices (blocks 1.25x the balanced share)" in out
+    assert "experts split over 8 devices (blocks 1.25x the balanced share;" in out
     (run_dir,) = tmp_path.iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["expert_load_max_over_mean"] >= 1 for r in records)
