@@ -6,13 +6,11 @@ Letters: B batch, T sequence, D d_model, N heads, R LoRA rank, E routed experts,
 V vocab. Tags use MaxText's names and positions.
 """
 
-import dataclasses
 import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
@@ -21,6 +19,7 @@ from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, co
                           stack, swiglu, unembed, yarn_attention_factor, yarn_frequencies,
                           yarn_mscale)
 from model.config import DeepSeekConfig
+from model.experts import EXPERT_PATHS, ExpertParallel, experts_exchanged
 from model.quant import Quantization
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm ignore the config's eps
@@ -154,143 +153,8 @@ def balance_loss(scores, experts, batch: int, n_experts: int):
     return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
 
 
-def experts_dense(x, weights, experts, w, n_experts: int):
-    """Every expert on every token, each output weighted by its routing weight (0 when not
-    chosen): exact, and on a CPU faster than grouped GEMMs for a few experts. x [S, D]."""
-    combine = jnp.einsum("ske,sk->se", jax.nn.one_hot(experts, n_experts, dtype=weights.dtype),
-                         weights)
-    gate = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_gate"]), "moe_mlpwi_0")
-    up = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_up"]), "moe_mlpwi_1")
-    out = checkpoint_name(jnp.einsum("sef,efd->sed", jax.nn.silu(gate) * up, w["we_down"]),
-                          "moe_mlpwo")
-    return jnp.einsum("sed,se->sd", out.astype(jnp.float32), combine).astype(x.dtype)
-
-
-def experts_sorted(x, weights, experts, w, n_experts: int):
-    """Dropless grouped GEMMs: the S*k (token, expert) pairs sorted by expert, one
-    `ragged_dot` per projection, outputs weighted and summed back per token. x [S, D]."""
-    k = experts.shape[1]
-    order = jnp.argsort(experts.reshape(-1))
-    tokens = order // k
-    sizes = jnp.bincount(experts.reshape(-1), length=n_experts).astype(jnp.int32)
-    rows = x[tokens]
-    gate = checkpoint_name(jax.lax.ragged_dot(rows, w["we_gate"], sizes), "moe_mlpwi_0")
-    up = checkpoint_name(jax.lax.ragged_dot(rows, w["we_up"], sizes), "moe_mlpwi_1")
-    out = checkpoint_name(jax.lax.ragged_dot(jax.nn.silu(gate) * up, w["we_down"], sizes),
-                          "moe_mlpwo")
-    out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
-    return jnp.zeros_like(x).at[tokens].add(out)
-
-
-EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 UNQUANTIZED = ("router", *EXPERT_WEIGHTS)  # matrices kept out of NVFP4
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertParallel:
-    """Routed experts split over `devices` devices, E/devices each. Every device sends its
-    (token, expert) pairs, in one fixed-size block per expert, to the devices holding those
-    experts and gets the outputs back (two all-to-alls); a device runs each of its experts
-    as one dense GEMM over its blocks. `capacity` sizes a block as a multiple of the balanced
-    share S*k/E of a device's S tokens; 0 sizes it for the worst case, S rows (every token
-    choosing that expert): dropless whatever the routing, at E/k times the memory."""
-    devices: int
-    capacity: float = 0.0
-
-    def block_rows(self, tokens: int, k: int, n_experts: int) -> int:
-        """Rows of one expert's block from one device."""
-        share = self.capacity * tokens * k / n_experts
-        return tokens if not self.capacity or share >= tokens else math.ceil(share)
-
-
-def _rows(table, index):
-    """table[index] along the first axis; an index past the end reads a row of zeros."""
-    return jnp.take(table, index, axis=0, mode="fill", fill_value=0)
-
-
-# Dispatch (token rows into expert blocks) and combine (weighted expert outputs back into
-# tokens) are each other's transposes. Written as gathers both ways: autodiff would transpose
-# a gather into a scatter-add, which XLA's GPU backend runs on 32-bit atomics (a u32 copy of
-# every bf16 block) instead of reading each row once.
-@jax.custom_vjp
-def _dispatch(x, slot_pairs, pair_slots):
-    """x [S, D] -> blocks [slots, D]: slot i holds the token of pair slot_pairs[i] (pairs are
-    token * k + choice; past the end: an empty slot, zeros)."""
-    return _rows(x, slot_pairs // pair_slots.shape[1])
-
-
-def _dispatch_fwd(x, slot_pairs, pair_slots):
-    return _dispatch(x, slot_pairs, pair_slots), (slot_pairs, pair_slots)
-
-
-def _dispatch_bwd(residuals, grad):
-    _, pair_slots = residuals  # dx[s] = sum over s's pairs of their slots' gradients
-    dx = _rows(grad, pair_slots).astype(jnp.float32).sum(axis=1).astype(grad.dtype)
-    return dx, None, None
-
-
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@jax.custom_vjp
-def _combine(blocks, weights, slot_pairs, pair_slots):
-    """Expert outputs [slots, D] -> tokens [S, D]: sum_j weights[s, j] x the row of pair
-    (s, j)'s slot (pair_slots; past the end: dropped, zeros), accumulated in f32."""
-    rows = _rows(blocks, pair_slots).astype(jnp.float32)
-    return (rows * weights[..., None]).sum(axis=1).astype(blocks.dtype)
-
-
-def _combine_fwd(blocks, weights, slot_pairs, pair_slots):
-    return _combine(blocks, weights, slot_pairs, pair_slots), (blocks, weights, slot_pairs,
-                                                               pair_slots)
-
-
-def _combine_bwd(residuals, grad):
-    blocks, weights, slot_pairs, pair_slots = residuals
-    k = pair_slots.shape[1]
-    slot_weights = _rows(weights.reshape(-1), slot_pairs)
-    d_blocks = _rows(grad, slot_pairs // k).astype(jnp.float32) * slot_weights[:, None]
-    d_weights = jnp.einsum("skd,sd->sk", _rows(blocks, pair_slots).astype(jnp.float32),
-                           grad.astype(jnp.float32))
-    return d_blocks.astype(blocks.dtype), d_weights, None, None
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertParallel,
-                      axis: str | None):
-    """Expert parallelism on one device: x [S, D] its tokens, w its E/P experts. Returns the
-    routed output [S, D] and how many (token, expert) pairs found their block full (dropped).
-    Without `axis` (one device's share traced alone, as the memory plan does) the exchange is
-    the identity: the same shapes, no communication."""
-    P, local = parallel.devices, n_experts // parallel.devices
-    S, k = experts.shape
-    C = parallel.block_rows(S, k, n_experts)
-    pairs = experts.reshape(-1)
-    # Pairs by expert, in token order within one (a stable sort): a full block drops the last
-    # tokens' pairs. Slot e * C + position holds expert e's pair at that position.
-    order = jnp.argsort(pairs, stable=True).astype(jnp.int32)
-    chosen = pairs[order]
-    count = jnp.bincount(pairs, length=n_experts)
-    position = jnp.arange(S * k) - (jnp.cumsum(count) - count)[chosen]
-    kept = position < C
-    slot = jnp.where(kept, chosen * C + position, n_experts * C).astype(jnp.int32)
-    slot_pairs = jnp.full((n_experts * C,), S * k, jnp.int32).at[slot].set(order, mode="drop")
-    pair_slots = jnp.zeros((S * k,), jnp.int32).at[order].set(slot).reshape(S, k)
-    exchange = (lambda t: t) if axis is None else partial(
-        jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0)
-    send = _dispatch(x, slot_pairs, pair_slots)
-    received = exchange(rearrange(send, "(p lc) d -> p lc d", p=P))
-    rows = rearrange(received, "p (l c) d -> l (p c) d", l=local)  # per local expert
-    gate = checkpoint_name(jnp.einsum("lrd,ldf->lrf", rows, w["we_gate"]), "moe_mlpwi_0")
-    up = checkpoint_name(jnp.einsum("lrd,ldf->lrf", rows, w["we_up"]), "moe_mlpwi_1")
-    out = checkpoint_name(jnp.einsum("lrf,lfd->lrd", jax.nn.silu(gate) * up, w["we_down"]),
-                          "moe_mlpwo")
-    back = exchange(rearrange(out, "l (p c) d -> p (l c) d", p=P))
-    return (_combine(rearrange(back, "p lc d -> (p lc) d"), weights, slot_pairs, pair_slots),
-            jnp.sum(~kept))
 
 
 def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParallel | None,

@@ -11,7 +11,7 @@ import pytest
 import backend
 import training
 from configs import OptimizerConfig, RunConfig
-from model import common, deepseek, llama
+from model import common, deepseek, experts, llama
 from model.config import DeepSeekConfig, LlamaConfig, YarnScaling
 from offload import policies
 
@@ -160,8 +160,8 @@ def test_dispatch_and_combine_transpose_by_gathers():
 
     probe, probe_out = rng.normal(size=(slots, D)), rng.normal(size=(S, D))
     for ours, plain, args, out_probe in [
-            (lambda x: deepseek._dispatch(x, slot_pairs, pair_slots), dispatched, (x,), probe),
-            (lambda b, w: deepseek._combine(b, w, slot_pairs, pair_slots), combined,
+            (lambda x: experts._dispatch(x, slot_pairs, pair_slots), dispatched, (x,), probe),
+            (lambda b, w: experts._combine(b, w, slot_pairs, pair_slots), combined,
              (blocks, weights), probe_out)]:
         np.testing.assert_allclose(ours(*args), plain(*args), rtol=1e-6)
         grads = jax.grad(lambda *a: jnp.sum(ours(*a) * out_probe), argnums=range(len(args)))
