@@ -167,7 +167,6 @@ def build(setup: Setup, target: backend.Target) -> Built:
     if run.attention == "cudnn" and target.platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
     mesh_shape = run.mesh.shape(len(target.devices))
-    full_plan = plan.full_scale(setup.experiment, setup.tables)
     mesh = common.make_mesh(mesh_shape, ("data", "fsdp"), devices=target.devices)
     rules = training.axis_rules(run, mesh)
     optimizer = training.make_optimizer(run.optimizer, run.steps)
@@ -175,6 +174,13 @@ def build(setup: Setup, target: backend.Target) -> Built:
     compiled = training.compile_step(setup.model, run, setup.tables, rules, optimizer, target)
     compile_s = time.perf_counter() - started
     hlo = compiled.as_text() if target.platform == "gpu" else None
+    full = setup.experiment
+    if (full.model, full.run, (full.run.mesh.data, full.run.mesh.fsdp)) == (
+            setup.model, run, mesh_shape):  # this run is the full-scale one: plan it once
+        full_plan = plan.full_scale(full, setup.tables, hlo)
+        return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan,
+                     full_plan.tags)
+    full_plan = plan.full_scale(full, setup.tables)
     run_tags = plan.Program(setup.model, run, setup.tables, mesh_shape).tag_lines(hlo)
     return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan, run_tags)
 
@@ -220,15 +226,14 @@ def print_compile(name: str, args: list[str]) -> None:
     gpu = GPUS[run.device]
     target = backend.compile_only(gpu, run.mesh.data * run.mesh.fsdp)
     built = build(setup, target)
-    full_plan = dataclasses.replace(built.full_plan, tags=built.run_tags)
     print(f"compiled: {name} at full scale for {target.description}, topology "
           f"{gpu.topology(len(target.devices))}, mesh {dict(built.mesh.shape)}, "
           f"{report.model_line(setup.model)}; in {built.compile_s:.1f} s")
     print(f"xla flags: {report.flags_line(run, target)}; kernels: "
           f"{report.kernels_line(setup.model, run, built.mesh, target)}")
-    print("\n".join(plan.plan_lines(name, run, full_plan)))
-    print("\n".join(plan.compiled_lines(memory.CompiledMemory.of(built.compiled), full_plan,
-                                        gpu)))
+    print("\n".join(plan.plan_lines(name, run, built.full_plan)))
+    print("\n".join(plan.compiled_lines(memory.CompiledMemory.of(built.compiled),
+                                        built.full_plan, gpu)))
 
 
 def compare(name: str, args: list[str], target: backend.Target) -> int:

@@ -44,6 +44,8 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
 
 
 EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """Routed experts split over `devices` devices, E/devices each. Every device sends its

@@ -148,6 +148,22 @@ def test_host_buffers_no_tag_asked_for_are_an_error():
         placement.compiled_host_buffers(hlo, [])
 
 
+def test_sorted_experts_compile_for_a_gpu():
+    """Without expert parallelism a GPU computes routed experts as sorted grouped GEMMs
+    (`ragged_dot`), a path no study row takes: the DeepSeek proxy in bf16 on 8 compile-only
+    H200s, through a run's own path. Its 3 MoE layers keep their tensors in host memory; its
+    one dense layer cannot (a one-layer scan)."""
+    target = gpus("h200", 8)
+    setup = train.resolve("deepseek671b-offload", ["scale=proxy", "compute_dtype=bfloat16"],
+                          target.devices)
+    assert not setup.run.expert_parallel
+    built = train.build(setup, target)
+    hlo = built.compiled.as_text()
+    assert "ragged_dot" in hlo and custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
+    assert {(line.value.scan, line.value.tag) for line in built.run_tags
+            if line.in_host_memory} == {t for t in DEEPSEEK if t[0] == "moe_layers"}
+
+
 def test_cudnn_takes_mla_attention_unpadded():
     """The cuDNN path traced for a Hopper target: q/k 192 wide, v 128, no pad of v."""
     q = jax.ShapeDtypeStruct((1, 256, 4, 192), jnp.bfloat16)
