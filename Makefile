@@ -44,6 +44,7 @@ test: lint $(COMPILE_READY)
 
 bench: $(READY)
 	$(PY) benchmarks/bench.py $(ARGS)
+	$(PY) benchmarks/checkpoint_bench.py
 
 llama%: $(READY)
 	$(PY) train.py $@ $(ARGS)

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 import backend
 import plan
@@ -95,22 +97,37 @@ def _new_run_dir(root: str, name: str) -> Path:
     raise RuntimeError(f"no free run folder under {root}")
 
 
+def _shared_run_dir(root: str, name: str) -> Path:
+    """Process 0 makes the run folder and tells the others its name (checkpoints go under it,
+    and every process writes its own shards there)."""
+    path = _new_run_dir(root, name) if jax.process_index() == 0 else None
+    if jax.process_count() == 1:
+        return path
+    text = np.zeros(1024, np.uint8)
+    if path is not None:
+        encoded = str(path).encode()
+        text[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    text = multihost_utils.broadcast_one_to_all(text)
+    return Path(bytes(np.asarray(text)).rstrip(b"\0").decode())
+
+
 class RunLog:
     """Prints on process 0 only; times each step from the previous step's completion."""
 
-    def __init__(self, setup, built, batch_size: int, flops: float):
+    def __init__(self, setup, built, batch_size: int, flops: float, first_step: int = 1):
         self.setup, self.run, self.flops, self.built = setup, setup.run, flops, built
+        self.first_step = first_step
         offloaded = [line.value for line in built.run_tags if line.offloaded]
         self.host_planned = sum(v.nbytes * v.count for v in offloaded)
         self.tokens = batch_size * setup.run.seq
         self.devices = len(built.target.devices)
         self.main = jax.process_index() == 0
         self.times: list[float] = []
-        profile_last = min(4, setup.run.steps)
-        self.profile_steps = (min(2, profile_last), profile_last) if setup.run.profile else None
-        # Only process 0 writes: one folder per run, even on a shared filesystem.
-        name = f"{setup.experiment.name}-{setup.scale}"
-        self.dir = _new_run_dir(setup.run.out_dir, name) if self.main else Path(setup.run.out_dir)
+        profile_last = min(first_step + 3, setup.run.steps)
+        self.profile_steps = ((min(first_step + 1, profile_last), profile_last)
+                              if setup.run.profile else None)
+        self.dir = _shared_run_dir(setup.run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        self.checkpoint_dir = Path(setup.run.checkpoint_dir or self.dir / "checkpoints")
         if self.main:
             (self.dir / "config.json").write_text(json.dumps({
                 "experiment": setup.experiment.name, "scale": setup.scale,
@@ -169,6 +186,7 @@ class RunLog:
                     "offload" in t.values() for t in (s.tables or {}).values()) else "")),
             ("xla flags", flags_line(run, target)),
             ("data", data),
+            ("checkpoints", self._checkpoint_words()),
             ("compile", f"{self.built.compile_s:.1f} s; model {self.flops / 1e12:,.2f} TFLOP per "
                         "device per step (MaxText's formula)"),
             ("output", str(self.dir)),
@@ -177,6 +195,22 @@ class RunLog:
         for key, value in rows:
             self._say(f"{key:<11} {value}")
         self._say("=" * 100)
+
+    def _checkpoint_words(self) -> str:
+        run, resume = self.run, self.setup.resume
+        every = (f"every {run.checkpoint_every} steps and at the end, the newest {run.keep} kept"
+                 if run.checkpoint_every else "off")
+        words = f"{every}; on SIGTERM or Ctrl-C at the next step boundary; {self.checkpoint_dir}"
+        if resume is not None:
+            words += (f"\n{'':12}resumed from {resume.directory} at step {self.first_step - 1} "
+                      "(data continues: batches are a function of (seed, step))")
+        return words
+
+    def say_checkpoint(self, path: Path, stopped_by) -> None:
+        stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
+        resume = self.checkpoint_dir if self.run.checkpoint_dir else self.dir
+        self._say(f"checkpoint  {stop}{path} (complete); continue with: python train.py "
+                  f"{self.setup.experiment.name} resume={resume}")
 
     def maybe_start_profile(self, step: int) -> None:
         if self.profile_steps and step == self.profile_steps[0]:
@@ -229,7 +263,8 @@ class RunLog:
         peak = (_fmt_bytes(result["peak_device_bytes"]) if stats
                 else f"not reported by the {jax.default_backend()} backend")
         self._say("-" * 100)
-        self._say(f"median step {median * 1e3:.1f} ms over steps 2..{self.run.steps}"
+        last = self.first_step + len(self.times) - 1
+        self._say(f"median step {median * 1e3:.1f} ms over steps {self.first_step + 1}..{last}"
                   if len(self.times) > 1 else f"step time {median * 1e3:.1f} ms (one step)")
         self._say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device, "
                   f"{result['tokens_per_s']:,.0f} tokens/s")

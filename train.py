@@ -5,6 +5,9 @@
     python train.py EXPERIMENT --compile [key=value ...]   its full-scale step compiled for its
                                                            GPUs (device=...), without a GPU
     python train.py --list                                 the experiments, one line each
+    python train.py export CHECKPOINT hf_dir=DIR [dtype=bfloat16]
+                                                           trained weights as a Hugging Face
+                                                           checkpoint (config.json + safetensors)
 
 Resolve (config, scale, policy, data: any mistake is one line and exit status 2) -> build
 (mesh, the step compiled ahead of time for the target: this machine's devices or compile-only
@@ -15,12 +18,15 @@ import backend  # first: it settles the platform and GPU memory before JAX start
 
 import dataclasses
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+import checkpoints
 import configs
 import plan
 import report
@@ -45,6 +51,7 @@ class Setup:
     tables: dict | None  # scan -> placement table; None when checkpointing is off
     data: object
     hf_params: dict | None
+    resume: checkpoints.Source | None = None  # the checkpoint this run continues from
 
 
 def maybe_initialize_distributed() -> None:
@@ -108,8 +115,36 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     check(model, run, run.mesh.data * run.mesh.fsdp if full else len(devices))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
-    return Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
-                 hf_params)
+    setup = Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
+                  hf_params)
+    if not full:
+        check_outputs(setup, run.batch(len(devices)))
+    return setup
+
+
+def check_outputs(setup: Setup, batch_size: int) -> None:
+    """Where the run writes and what it resumes, before anything is compiled: an unusable
+    folder, a checkpoint directory already in use or a resume that cannot work is one line."""
+    run = setup.run
+    for key in ("out_dir", "checkpoint_dir"):
+        path = Path(getattr(run, key))
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if getattr(run, key) and not existing.is_dir():
+            raise ConfigError(f"{key}={getattr(run, key)}: {existing} is a file, not a folder")
+    if run.checkpoint_dir and any(Path(run.checkpoint_dir).glob("*")):
+        raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
+                          f"{run.checkpoint_dir} continues from it; a new run needs a new folder")
+    if run.resume:
+        source = checkpoints.find(run.resume, run.out_dir,
+                                  f"{setup.experiment.name}-{setup.scale}")
+        meta = source.meta(source.steps[0])
+        if found := checkpoints.differences(meta, setup, batch_size):
+            raise ConfigError(f"resume={run.resume}: not this run's checkpoint: {found[0]}"
+                              + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
+        if meta["step"] >= run.steps:
+            raise ConfigError(f"resume={run.resume}: the checkpoint is at step {meta['step']}, "
+                              f"the run has {run.steps} steps: nothing left to train")
+        setup.resume = source
 
 
 def placement_tables(model, run: configs.RunConfig) -> dict | None:
@@ -158,6 +193,14 @@ class Built:
     run_tags: list[memory.TagLine]  # this run's placement list, checked on its own program
 
 
+def layout(setup: Setup, target: backend.Target) -> tuple[common.AxisRules, object]:
+    """The run's mesh (in its axis rules) and optimizer: what its state is made for."""
+    run = setup.run
+    mesh = common.make_mesh(run.mesh.shape(len(target.devices)), ("data", "fsdp"),
+                            devices=target.devices)
+    return training.axis_rules(run, mesh), training.make_optimizer(run.optimizer, run.steps)
+
+
 def build(setup: Setup, target: backend.Target) -> Built:
     """The one path from settings to a compiled step: a run on this machine's devices and
     `--compile` on compile-only GPUs both come here. The full-scale plan is traced with kernels
@@ -166,10 +209,8 @@ def build(setup: Setup, target: backend.Target) -> Built:
     run = setup.run
     if run.attention == "cudnn" and target.platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
-    mesh_shape = run.mesh.shape(len(target.devices))
-    mesh = common.make_mesh(mesh_shape, ("data", "fsdp"), devices=target.devices)
-    rules = training.axis_rules(run, mesh)
-    optimizer = training.make_optimizer(run.optimizer, run.steps)
+    rules, optimizer = layout(setup, target)
+    mesh, mesh_shape = rules.mesh, run.mesh.shape(len(target.devices))
     started = time.perf_counter()
     compiled = training.compile_step(setup.model, run, setup.tables, rules, optimizer, target)
     compile_s = time.perf_counter() - started
@@ -185,27 +226,66 @@ def build(setup: Setup, target: backend.Target) -> Built:
     return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan, run_tags)
 
 
+def start_state(setup: Setup, target: backend.Target) -> tuple[dict, int]:
+    """(state, steps already done): restored from the resume checkpoint, resharded onto this
+    run's mesh, or freshly initialized. Before the step is compiled: a checkpoint that does
+    not read back costs no compile."""
+    rules, optimizer = layout(setup, target)
+    if setup.resume is None:
+        return init_state(setup, rules, optimizer), 0
+    abstract = training.abstract_state(setup.model, setup.run, rules, optimizer)
+    state, meta = checkpoints.restore(setup.resume, abstract)
+    return state, meta["step"]
+
+
 def train(setup: Setup, target: backend.Target) -> dict | None:
-    """Run the experiment; its summary, or None when the loss stopped being finite."""
-    built = build(setup, target)
-    run, n_devices = setup.run, len(target.devices)
-    batch_size = run.batch(n_devices)
-    batch_sharding = built.rules.sharding(("batch", None))
-    state = init_state(setup, built.rules, built.optimizer)
-    batch = global_batch(setup, 0, batch_sharding, batch_size)
-    flops = training.family(setup.model).training_flops(setup.model, batch_size / n_devices,
-                                                        run.seq)
-    log = report.RunLog(setup, built, batch_size, flops)
-    pending = None  # (step, metrics) dispatched, not yet read: read it after the next dispatch
-    for i in range(1, run.steps + 1):
+    """Run the experiment; its summary (with `stopped_by` when a signal ended it early), or
+    None when the loss stopped being finite."""
+    with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
+        state, done = start_state(setup, target)
+        built = build(setup, target)
+        run, n_devices = setup.run, len(target.devices)
+        batch_size = run.batch(n_devices)
+        batch = global_batch(setup, done, built.rules.sharding(("batch", None)), batch_size)
+        flops = training.family(setup.model).training_flops(setup.model, batch_size / n_devices,
+                                                            run.seq)
+        log = report.RunLog(setup, built, batch_size, flops, first_step=done + 1)
+        saver = checkpoints.Saver(log.checkpoint_dir, run.keep, run.checkpoint_every)
+        try:
+            last = _loop(setup, built, state, batch, done, log, saver, stop)
+        finally:
+            saver.close()
+    if last is None:
+        return None
+    if saver.saved:
+        log.say_checkpoint(saver.saved[-1], stop.signal)
+    return {**log.summary(), **({"stopped_by": stop.signal.name} if stop.signal else {})}
+
+
+def _loop(setup, built, state, batch, done, log, saver, stop) -> int | None:
+    """Steps done+1.. until the last or a stop request; the last step, or None when the loss
+    stopped being finite. Metrics are read one step late (the host runs ahead), except where a
+    checkpoint is saved: a state is saved only once its loss is known to be finite."""
+    run, batch_sharding = setup.run, built.rules.sharding(("batch", None))
+    batch_size = batch.shape[0]
+    pending = None  # (step, metrics) dispatched, not yet read
+    for i in range(done + 1, run.steps + 1):
         log.maybe_start_profile(i)
         state, metrics = built.compiled(state, batch)
-        if i < run.steps:
+        stopping = stop.reached(i)
+        if i < run.steps and not stopping:
             batch = global_batch(setup, i, batch_sharding, batch_size)
         if pending and not log.step_done(*pending):
             return None
         pending = (i, metrics)
-    return log.summary() if log.step_done(*pending) else None
+        if stopping or saver.due(i, run.steps):
+            if not log.step_done(*pending):
+                return None
+            pending = None
+            saver.save(i, state, checkpoints.run_meta(i, setup, batch_size))
+        if stopping:
+            return i
+    return i if pending is None or log.step_done(*pending) else None
 
 
 def print_plan(name: str, args: list[str]) -> None:
@@ -236,17 +316,43 @@ def print_compile(name: str, args: list[str]) -> None:
                                         built.full_plan, gpu)))
 
 
+def exit_status(summary: dict | None) -> int:
+    """0 done; 1 the loss stopped being finite; 128 + the signal's number when stopped by one
+    (the shell's convention for a process a signal ended)."""
+    if summary is None:
+        return 1
+    return 128 + signal.Signals[summary["stopped_by"]] if "stopped_by" in summary else 0
+
+
 def compare(name: str, args: list[str], target: backend.Target) -> int:
     """Run each experiment of a comparison, then print one table of them."""
+    if any(a.startswith("resume=") for a in args):
+        raise ConfigError(f"{name} runs several experiments: resume one of them "
+                          f"({', '.join(configs.COMPARISONS[name])})")
     rows = []
     for experiment in configs.COMPARISONS[name]:
         setup = resolve(experiment, args, target.devices)
         summary = train(setup, target)
-        if summary is None:
-            return 1
+        if status := exit_status(summary):
+            return status
         rows.append((setup, summary))
     report.comparison(name, rows)
     return 0
+
+
+def export(argv: list[str]) -> None:
+    """`export CHECKPOINT hf_dir=DIR [dtype=float32|bfloat16]`: the checkpoint's weights as a
+    Hugging Face checkpoint."""
+    if not argv or "=" in argv[0]:
+        raise ConfigError("usage: python train.py export CHECKPOINT hf_dir=DIR "
+                          "[dtype=float32|bfloat16]")
+    options = configs.parse_overrides(argv[1:])
+    if unknown := options.keys() - {"hf_dir", "dtype"}:
+        raise ConfigError(f"export: unknown key {sorted(unknown)[0]!r}; it takes hf_dir, dtype")
+    written = checkpoints.export(argv[0], options.get("hf_dir", ""),
+                                 options.get("dtype", "float32"))
+    print(f"exported {argv[0]} to {written[0].parent}: config.json and {len(written)} "
+          f"safetensors file(s)")
 
 
 def list_experiments() -> None:
@@ -268,15 +374,17 @@ def main(argv: list[str]) -> int:
     try:
         maybe_initialize_distributed()
         target = backend.this_machine()  # starts JAX's backend (quietly; see backend.py)
-        if "--plan" in argv:
-            print_plan(name, args)
+        if name == "export":
+            export(argv[1:])
             return 0
-        if "--compile" in argv:
-            print_compile(name, args)
-            return 0
+        for flag, show in (("--plan", print_plan), ("--compile", print_compile)):
+            if flag in argv:
+                for member in configs.COMPARISONS.get(name, (name,)):
+                    show(member, args)
+                return 0
         if name in configs.COMPARISONS:
             return compare(name, args, target)
-        return 0 if train(resolve(name, args, target.devices), target) is not None else 1
+        return exit_status(train(resolve(name, args, target.devices), target))
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

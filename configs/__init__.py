@@ -72,6 +72,13 @@ class RunConfig:
     scale: str = "auto"
     init_from: str = ""  # a Hugging Face checkpoint directory of the experiment's family
     out_dir: str = "runs"
+    # Checkpoints (checkpoints.py): every N steps and at the end (0: only when stopped by
+    # SIGTERM or Ctrl-C), into checkpoint_dir (empty: <run folder>/checkpoints), the newest
+    # `keep` kept. resume=latest | a run folder | a checkpoint directory | one step folder.
+    checkpoint_every: int = 500
+    checkpoint_dir: str = ""
+    keep: int = 3
+    resume: str = ""
     profile: bool = False
     device: str = "gb200"  # the GPU full scale is planned and compiled for (configs/gpus.py)
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
@@ -209,6 +216,11 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")
+    if not 0 <= run.seed < 2**63:
+        found.append(f"seed={run.seed} must lie in [0, 2**63)")
+    if run.checkpoint_every < 0 or run.keep < 1:
+        found.append(f"checkpoint_every={run.checkpoint_every} must be 0 (off) or positive, "
+                     f"keep={run.keep} at least 1")
     if run.global_batch < 0:
         found.append(f"global_batch={run.global_batch} must be 0 (per-device batch x devices) "
                      "or positive")

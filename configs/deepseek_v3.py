@@ -32,7 +32,7 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
 # 31.6 GiB at once.
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10, mesh=MeshConfig(data=1, fsdp=128),
                      compute_dtype="bfloat16", policy="dsv3_offload", expert_parallel=True,
-                     expert_capacity=1.25, loss_chunks=8)
+                     expert_capacity=1.25, loss_chunks=8, checkpoint_every=0)
 
 
 def _deepseek(name: str, summary: str, **run_changes) -> Experiment:

@@ -1,0 +1,243 @@
+"""Training checkpoints with Orbax: asynchronous sharded saves, exact resumes, stops on request.
+
+A checkpoint is one step folder of an Orbax `CheckpointManager` directory with three items:
+`params` and `optimizer` (the optimizer state and the step counter; arrays, every process
+writing its own shards) and `meta` (JSON: the step, the experiment, the resolved model and run
+settings, the model's Hugging Face config for export). The data position needs nothing more:
+every batch is a function of (seed, step), so the step is the position. Orbax writes a step
+into a temporary folder and renames it when complete, so a save cut short (kill -9) leaves no
+step that could be picked.
+"""
+
+import dataclasses
+import json
+import signal
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from configs import ConfigError
+from model import common
+from model.hf import FAMILIES
+from model.hf_export import DTYPES, hf_config, write_checkpoint
+
+# Settings that change the trained numbers: a resume must match them. The rest (placement,
+# mesh and device count, kernels, XLA flags, output, profiling) may change between runs.
+_SAME_ON_RESUME = ("seq", "steps", "optimizer", "compute_dtype", "param_dtype", "quant",
+                   "quant_tiles", "data", "seed", "expert_capacity", "router_bias_rate",
+                   "balance_loss_weight")
+
+
+def _read(step_dir: Path, **items) -> dict:
+    """Items of one step folder (a reader: it never creates, writes or deletes anything)."""
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+        return reader.restore(step_dir, args=ocp.args.Composite(**items))
+
+
+class CheckpointNotFound(ConfigError):
+    """A resume target with no complete checkpoint, or an incompatible one: exit status 2."""
+
+
+def _plain(value) -> object:
+    """JSON's view of a config value (tuples as lists, nested dataclasses as dicts)."""
+    return json.loads(json.dumps(dataclasses.asdict(value) if dataclasses.is_dataclass(value)
+                                 else value, default=str))
+
+
+def run_meta(step: int, setup, batch_size: int) -> dict:
+    return {"step": step, "experiment": setup.experiment.name, "scale": setup.scale,
+            "global_batch": batch_size, "model": _plain(setup.model), "run": _plain(setup.run),
+            "hf_config": hf_config(setup.model, setup.run.param_dtype),
+            "data_position": "batches are a function of (seed, step): the step is the position"}
+
+
+def differences(meta: dict, setup, batch_size: int) -> list[str]:
+    """What in this run differs from the checkpoint in ways that change the numbers."""
+    found = []
+    if meta["model"] != _plain(setup.model):
+        keys = [k for k, v in _plain(setup.model).items() if meta["model"].get(k) != v]
+        found += [f"model.{k}={meta['model'].get(k)} in the checkpoint, "
+                  f"{getattr(setup.model, k)} here" for k in keys]
+    run = _plain(setup.run)
+    found += [f"{k}={meta['run'][k]} in the checkpoint, {run[k]} here" for k in _SAME_ON_RESUME
+              if meta["run"].get(k) != run[k]]
+    if meta["global_batch"] != batch_size:
+        found.append(f"global batch {meta['global_batch']} in the checkpoint, {batch_size} here "
+                     "(set global_batch= to keep it on a different device count)")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A checkpoint directory and the steps to try, newest first (one when a step was named)."""
+    directory: Path
+    steps: tuple[int, ...]
+    named_step: bool
+
+    def meta(self, step: int) -> dict:
+        try:
+            return _read(self.directory / str(step), meta=ocp.args.JsonRestore())["meta"]
+        except Exception as e:
+            raise CheckpointNotFound(f"checkpoint {self.directory / str(step)}: its settings do "
+                                     f"not read back ({str(e).splitlines()[0][:200]})") from None
+
+
+def _complete_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(ocp.path.step.checkpoint_steps(directory), reverse=True)
+
+
+def find(target: str, out_dir: str, run_prefix: str) -> Source:
+    """The checkpoint `resume=target` names: `latest` (the newest run folder `run_prefix-*`
+    under `out_dir` with a complete checkpoint), a run folder, a checkpoint directory, or one
+    step folder of it."""
+    if target == "latest":
+        runs = sorted(Path(out_dir).glob(f"{run_prefix}-*"), reverse=True)
+        for run_dir in runs:
+            if steps := _complete_steps(run_dir / "checkpoints"):
+                return Source(run_dir / "checkpoints", tuple(steps), False)
+        raise CheckpointNotFound(f"resume=latest: no run folder {out_dir}/{run_prefix}-* holds a "
+                                 "complete checkpoint")
+    path = Path(target)
+    if not path.exists():
+        raise CheckpointNotFound(f"resume={target}: no such file or directory")
+    if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
+        return Source(path.parent, (int(path.name),), True)
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if steps := _complete_steps(directory):
+        return Source(directory, tuple(steps), False)
+    partial = [p.name for p in directory.glob("*.orbax-checkpoint-tmp*")] if \
+        directory.is_dir() else []
+    why = (f"only an unfinished save ({partial[0]})" if partial else "no complete checkpoint")
+    raise CheckpointNotFound(f"resume={target}: {why} in {directory}")
+
+
+def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
+    """(state, meta) of the newest step of `source` that reads back, resharded onto the
+    shardings of `abstract_state`. A step named explicitly that does not read is an error; when
+    searching, an unreadable step is reported and the one before it is tried."""
+    optimizer = {"opt_state": abstract_state["opt_state"], "step": abstract_state["step"]}
+    for step in source.steps:
+        try:
+            got = _read(source.directory / str(step),
+                        params=ocp.args.StandardRestore(abstract_state["params"]),
+                        optimizer=ocp.args.StandardRestore(optimizer),
+                        meta=ocp.args.JsonRestore())
+        except Exception as e:  # Orbax and TensorStore raise many types for damaged files
+            problem = f"checkpoint {source.directory / str(step)} does not read back: " + \
+                f"{str(e).splitlines()[0][:200]}"
+            if source.named_step or step == source.steps[-1]:
+                raise CheckpointNotFound(problem) from None
+            if jax.process_index() == 0:
+                print(f"warning: {problem}; trying the one before it", file=sys.stderr)
+            continue
+        state = {"params": got["params"], **got["optimizer"]}
+        return state, got["meta"]
+    raise AssertionError("unreachable: Source has at least one step")
+
+
+def read_params(source: Source, abstract_params) -> tuple[dict, dict]:
+    """(params, meta) of the newest step: for export, without the optimizer state."""
+    step = source.steps[0]
+    try:
+        got = _read(source.directory / str(step),
+                    params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
+    except Exception as e:
+        raise CheckpointNotFound(f"checkpoint {source.directory / str(step)} does not read "
+                                 f"back: {str(e).splitlines()[0][:200]}") from None
+    return got["params"], got["meta"]
+
+
+class Saver:
+    """The run's checkpoint directory, made at the first save. Saves are asynchronous: the
+    arrays are copied off the devices, then written while the next steps run. The newest
+    `keep` are kept."""
+
+    def __init__(self, directory: Path, keep: int, every: int):
+        self.directory, self.keep, self.every = directory, keep, every
+        self.manager = None
+        self.saved: list[Path] = []
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == last_step)
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        if self.manager is None:
+            self.manager = ocp.CheckpointManager(self.directory, options=(
+                ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
+                                             enable_async_checkpointing=True)))
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]),
+            optimizer=ocp.args.StandardSave({"opt_state": state["opt_state"],
+                                             "step": state["step"]}),
+            meta=ocp.args.JsonSave(meta)))
+        self.saved.append(self.directory / str(step))
+
+    def close(self) -> None:
+        """Wait until every save is complete on disk."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
+
+
+class StopRequests:
+    """While open, SIGTERM (a scheduler's preemption notice) or Ctrl-C asks the run to stop at
+    the next step boundary, after a final checkpoint; a second Ctrl-C stops at once. With
+    several processes, JAX's preemption service (it handles SIGTERM itself) makes every
+    process stop at the same step, and Ctrl-C keeps its usual meaning."""
+
+    def __init__(self):
+        self.signal = None
+        self.multi = jax.process_count() > 1
+        self.previous = {}
+
+    def __enter__(self) -> "StopRequests":
+        # One process stopping alone would leave the others waiting in a collective.
+        caught = () if self.multi else (signal.SIGINT, signal.SIGTERM)
+        self.previous = {s: signal.signal(s, self._catch) for s in caught}
+        return self
+
+    def _catch(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum)
+
+    def reached(self, step: int) -> bool:
+        if self.multi and multihost_utils.reached_preemption_sync_point(step):
+            self.signal = signal.SIGTERM
+        return self.signal is not None
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
+    """A checkpoint's parameters written as a Hugging Face checkpoint in `hf_dir` (a new or
+    empty folder), in `dtype`; the files written."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
+    if not hf_dir:
+        raise ConfigError("export needs hf_dir=DIR, a new or empty folder")
+    out = Path(hf_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"hf_dir={hf_dir} exists and is not an empty folder: nothing is "
+                          "overwritten")
+    if target == "latest":
+        raise ConfigError("export needs the checkpoint's path (a run folder, a checkpoint "
+                          "directory or one step folder), not latest")
+    source = find(target, "", "")
+    meta = source.meta(source.steps[0])
+    make_config, _, make_specs = FAMILIES[meta["hf_config"]["model_type"]]
+    cfg = make_config(meta["hf_config"])
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
+        common.abstract_params(make_specs(cfg), meta["run"]["param_dtype"]))
+    params, _ = read_params(source, abstract)
+    return write_checkpoint(out, cfg, jax.tree.map(np.asarray, params), dtype)

@@ -1,0 +1,222 @@
+"""Checkpoints: exact resumes, resharding, kill -9 and SIGTERM, export, bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import checkpoints
+import train
+import training
+from model import common
+from model.hf import load_checkpoint
+from model.hf_export import write_checkpoint
+
+# Proxy runs of the real experiments: 2 layers, 32 tokens, 8 devices x batch 2, 4 steps.
+SMALL = ["steps=4", "seq=32", "model.n_layers=2", "model.vocab=512"]
+FIXTURES = sorted(p for p in Path("tests/fixtures").iterdir() if p.is_dir())
+
+
+def cli(args, capsys):
+    code = train.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def saved_params(step_dir: Path, like: dict) -> dict:
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
+                            like)
+    source = checkpoints.Source(step_dir.parent, (int(step_dir.name),), True)
+    return jax.tree.map(np.asarray, checkpoints.read_params(source, abstract)[0])
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def run_and_resume(name: str, extra: list[str], tmp_path: Path, capsys):
+    """Four steps uninterrupted, then steps 3-4 again from the step-2 checkpoint: the two run
+    folders and the uninterrupted run's output."""
+    args = [name, *SMALL, *extra, "checkpoint_every=2", f"out_dir={tmp_path}"]
+    code, out, err = cli(args, capsys)
+    assert code == 0, err
+    (whole,) = tmp_path.iterdir()
+    assert sorted(p.name for p in (whole / "checkpoints").iterdir()) == ["2", "4"]
+    code, resumed_out, err = cli([*args, f"resume={whole / 'checkpoints' / '2'}"], capsys)
+    assert code == 0, err
+    assert "resumed from" in resumed_out and "step 3/4" in resumed_out
+    assert "step 1/4" not in resumed_out
+    (resumed,) = set(tmp_path.iterdir()) - {whole}
+    return whole, resumed, out
+
+
+def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
+    whole, resumed, out = run_and_resume("llama405b-offload", [], tmp_path / "runs", capsys)
+    assert "PROXY" in out and "405,853,388,800 parameters" in out
+    assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
+    assert "x 126 layers = 70.9 GiB in host memory" in out  # the full-scale placement list
+    assert "weights NVFP4 (1x16 blocks) quantized-dequantized" in out
+    assert f"checkpoint  {whole / 'checkpoints' / '4'} (complete)" in out
+    assert json.loads((whole / "summary.json").read_text())["median_step_s"] > 0
+    assert list(losses(resumed)) == [3, 4]
+    assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
+    setup = train.resolve("llama405b-offload", SMALL, jax.devices())
+    specs = training.family(setup.model).param_specs(setup.model)
+    like = common.abstract_params(specs)
+    final = saved_params(whole / "checkpoints" / "4", like)
+    assert_bit_identical(final, saved_params(resumed / "checkpoints" / "4", like))
+
+    # Saved on 8 devices (fsdp 8), restored on 4 (fsdp 4) and on data 2 x fsdp 4.
+    source = checkpoints.find(str(whole), "", "")
+    for devices, mesh in ((4, ["mesh.fsdp=4"]), (8, ["mesh.data=2", "mesh.fsdp=4"])):
+        setup = train.resolve("llama405b-offload", [*SMALL, *mesh], jax.devices()[:devices])
+        rules = training.axis_rules(setup.run, common.make_mesh(
+            setup.run.mesh.shape(devices), ("data", "fsdp"), devices=jax.devices()[:devices]))
+        optimizer = training.make_optimizer(setup.run.optimizer, setup.run.steps)
+        state, meta = checkpoints.restore(
+            source, training.abstract_state(setup.model, setup.run, rules, optimizer))
+        assert meta["step"] == 4 and int(state["step"]) == 4
+        assert state["params"]["embed"].sharding.mesh.devices.size == devices
+        assert_bit_identical(jax.tree.map(np.asarray, state["params"]), final)
+
+    # Export: the importer reads back the trained weights.
+    code, out, err = cli(["export", str(whole), f"hf_dir={tmp_path / 'hf'}"], capsys)
+    assert code == 0, err
+    model, exported = load_checkpoint(tmp_path / "hf")
+    assert model == setup.model
+    assert_bit_identical(exported, final)
+
+
+def test_deepseek_resume_with_router_bias_updates_is_bit_identical(tmp_path, capsys):
+    whole, resumed, out = run_and_resume(
+        "deepseek671b-offload", ["expert_parallel=true"], tmp_path, capsys)
+    assert "671,026,419,200 parameters" in out and "moe_layers" in out
+    assert "experts split over 8 devices (blocks 1.25x the balanced share;" in out
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["expert_load_max_over_mean"] >= 1 for r in records)
+    assert all(0 <= r["expert_dropped"] < 1 for r in records)
+    assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
+    setup = train.resolve("deepseek671b-offload", SMALL, jax.devices())
+    like = common.abstract_params(training.family(setup.model).param_specs(setup.model))
+    final = saved_params(whole / "checkpoints" / "4", like)
+    assert_bit_identical(final, saved_params(resumed / "checkpoints" / "4", like))
+    start = saved_params(whole / "checkpoints" / "2", like)
+    assert not np.array_equal(final["moe_layers"]["router_bias"],
+                              start["moe_layers"]["router_bias"])  # the bias did move
+
+
+STEPS = 60  # of ~50 ms: long enough for a signal to land mid-run
+
+
+def _start(args: list[str], out_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", "llama405b-offload", "seq=32",
+                             "model.n_layers=1", "model.vocab=512", f"steps={STEPS}", *args,
+                             f"out_dir={out_dir}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_"
+                                 "device_count=8"})
+
+
+def _wait_for(condition, process: subprocess.Popen, what: str, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {process.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} within {limit_s} s"
+        time.sleep(0.002)
+
+
+def test_kill_9_mid_save_then_sigterm_then_resume_latest(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    # kill -9 while an asynchronous save is being written.
+    first = _start(["checkpoint_every=1", "keep=20"], runs)
+    unfinished = lambda: [p for p in runs.glob("*/checkpoints/*") if "tmp" in p.name]  # noqa
+    complete = lambda: [p for p in runs.glob("*/checkpoints/*") if p.name.isdigit()]  # noqa
+    _wait_for(lambda: complete() and unfinished(), first, "a save in progress")
+    first.kill()
+    first.wait()
+    assert unfinished(), "the save finished before the kill: nothing was cut short"
+    last_complete = max(int(p.name) for p in complete())
+    assert last_complete < STEPS
+
+    # SIGTERM: the resumed run stops at a step boundary with a final checkpoint, status 143.
+    (killed,) = runs.iterdir()
+    second = _start(["checkpoint_every=0", "resume=latest"], runs)
+    metrics = lambda: [p / "metrics.jsonl" for p in runs.iterdir() if p != killed]  # noqa
+    _wait_for(lambda: any(m.exists() and m.stat().st_size for m in metrics()), second,
+              "a step of the resumed run")
+    second.send_signal(signal.SIGTERM)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 128 + signal.SIGTERM, err
+    assert f"step {last_complete + 1:>2}/{STEPS}" in out  # after the last complete save
+    assert "stopped by SIGTERM" in out and "(complete)" in out
+    (stopped,) = set(runs.iterdir()) - {killed}
+    stopped_at = max(int(p.name) for p in (stopped / "checkpoints").iterdir())
+    assert last_complete < stopped_at < STEPS
+
+    code, out, err = cli(["llama405b-offload", "seq=32", "model.n_layers=1", "model.vocab=512",
+                          f"steps={STEPS}", "checkpoint_every=0", "resume=latest",
+                          f"out_dir={runs}"],
+                         capsys)
+    assert code == 0, err
+    assert f"step {stopped_at + 1:>2}/{STEPS}" in out and f"step {STEPS}/{STEPS}" in out
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
+def test_export_round_trips_the_hf_fixtures(fixture, tmp_path):
+    model, params = load_checkpoint(fixture)
+    files = write_checkpoint(tmp_path, model, params, shard_bytes=200_000)
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    again, read = load_checkpoint(tmp_path)
+    assert again == model
+    assert_bit_identical(read, params)
+
+
+def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
+    small = ["llama405b-offload", "seq=32", "model.n_layers=1", "model.vocab=512", "steps=3"]
+    code, _, err = cli([*small, "checkpoint_every=1", f"out_dir={tmp_path / 'good'}"], capsys)
+    assert code == 0, err
+    (run_dir,) = (tmp_path / "good").iterdir()
+    empty, partial, a_file = tmp_path / "empty", tmp_path / "partial", tmp_path / "file"
+    empty.mkdir()
+    shutil.copytree(run_dir / "checkpoints" / "1", partial / "4.orbax-checkpoint-tmp-1")
+    a_file.write_text("not a folder")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(run_dir / "checkpoints", corrupt)
+    for data in (corrupt / "2" / "params").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:10])
+    keep = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cases = [
+        [*small, "resume=/nonexistent/run"], [*small, f"resume={empty}"],
+        [*small, f"resume={partial}"], [*small, f"resume={corrupt / '2'}"],
+        [*small, f"resume={run_dir}", "seed=1"], [*small, f"resume={run_dir}", "model.d_ff=256"],
+        [*small, f"resume={run_dir}"],  # already at its last step
+        [*small, f"out_dir={a_file}"], [*small, f"out_dir={a_file / 'below'}"],
+        [*small, f"checkpoint_dir={run_dir / 'checkpoints'}"],
+        ["llama405b-compare", f"resume={run_dir}"],
+        ["export", str(run_dir), f"hf_dir={run_dir}"], ["export", str(run_dir)],
+        ["export", str(run_dir), f"hf_dir={tmp_path / 'hf'}", "dtype=int8"],
+        ["export", str(corrupt / "2"), f"hf_dir={tmp_path / 'hf'}"],
+        ["export", "latest", f"hf_dir={tmp_path / 'hf'}"],
+    ]
+    for args in cases:
+        elsewhere = args[0] == "export" or any(a.startswith("out_dir=") for a in args)
+        code, _, err = cli(args if elsewhere else [*args, f"out_dir={tmp_path / 'out'}"], capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (args, err)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
+    assert keep == {p: p.read_bytes() for p in keep}  # nothing written over
