@@ -4,6 +4,8 @@
     python train.py EXPERIMENT --plan [key=value ...]      its full-scale memory plan
     python train.py EXPERIMENT --compile [key=value ...]   its full-scale step compiled for its
                                                            GPUs (device=...), without a GPU
+    python train.py EXPERIMENT --search [key=value ...]    placements ranked by predicted memory
+                                                           and step time (placement_search.py)
     python train.py --list                                 the experiments, one line each
 
 Resolve (config, scale, policy, data: any mistake is one line and exit status 2) -> build
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import configs
+import placement_search
 import plan
 import report
 import training
@@ -236,6 +239,23 @@ def print_compile(name: str, args: list[str]) -> None:
                                         built.full_plan, gpu)))
 
 
+def print_search(name: str, args: list[str]) -> None:
+    """The experiment's placements ranked by predicted memory and step time on its `device`;
+    `search.verify=N` compiles the best N for those GPUs through `build` (a minute each)."""
+    args, options = placement_search.split_options(args)
+    setup = resolve(name, args, full=True)
+    result = placement_search.run_search(setup.experiment, options, time.perf_counter)
+    print("\n".join(placement_search.report_lines(result, int(options["top"]))))
+    if options["plot"] != "off":
+        print(placement_search.write_plot(result, setup.run.out_dir))
+    gpu, run = GPUS[setup.run.device], setup.run
+    for prediction in result.ranked[:int(options["verify"])]:
+        overrides = placement_search.run_overrides(prediction, setup.model)
+        built = build(resolve(name, [*args, *overrides], full=True),
+                      backend.compile_only(gpu, run.mesh.data * run.mesh.fsdp))
+        print(placement_search.verified_line(prediction, built.compiled, overrides))
+
+
 def compare(name: str, args: list[str], target: backend.Target) -> int:
     """Run each experiment of a comparison, then print one table of them."""
     rows = []
@@ -264,7 +284,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--list":
         list_experiments()
         return 0
-    name, args = argv[0], [a for a in argv[1:] if a not in ("--plan", "--compile")]
+    name, args = argv[0], [a for a in argv[1:] if a not in ("--plan", "--compile", "--search")]
     try:
         maybe_initialize_distributed()
         target = backend.this_machine()  # starts JAX's backend (quietly; see backend.py)
@@ -273,6 +293,9 @@ def main(argv: list[str]) -> int:
             return 0
         if "--compile" in argv:
             print_compile(name, args)
+            return 0
+        if "--search" in argv:
+            print_search(name, args)
             return 0
         if name in configs.COMPARISONS:
             return compare(name, args, target)
