@@ -118,7 +118,9 @@ class Tracer:
         return tuple((r - a) / batch for r, a in zip(remat, alone))
 
     @functools.cache
-    def workload(self, batch: int) -> search.Workload:
+    def workload(self, batch: int, savings: bool = True) -> search.Workload:
+        """The search's inputs at one micro batch; without `savings` (a candidate counted on
+        its own trace needs none) each tag's recompute saving is left at zero."""
         prog, none = self.program(batch), self.work(batch, None)
         remat, layers = self.recompute(batch, self.remat), self.layers(batch)
         sites = self.tags(batch)
@@ -129,7 +131,7 @@ class Tracer:
             scans.append(search.Scan(
                 s, layers[s], tuple(search.Tag(
                     v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
-                    *(batch * x for x in self.savings(s, v.tag)))
+                    *(batch * x for x in (self.savings(s, v.tag) if savings else (0, 0))))
                     if v.tag != policies.LAYER_INPUT else search.Tag(v.tag, v.nbytes, 0, 0, 0)
                     for v in tags),
                 none.flops.get((s, "forward"), 0.0) / layers[s],
@@ -141,6 +143,7 @@ class Tracer:
         flops = training.family(self.model).training_flops(self.model, batch, self.run.seq)
         return search.Workload(batch, tuple(scans), other, fixed, flops)
 
+    @functools.cache
     def remat_plan(self, batch: int) -> int:
         """Peak device bytes with every tag recomputed: the static plan's arithmetic."""
         lines = [memory.TagLine(v, "remat", True, False) for v in self.sites(batch)]
@@ -189,7 +192,7 @@ def hardware(gpu: Gpu, efficiency: float, devices: int) -> search.Hardware:
 
 def exact(tracer: Tracer, candidate: search.Candidate, hw: search.Hardware):
     tables = {s: candidate.table(s) for s in tracer.scans}
-    return search.predict(candidate, tracer.workload(candidate.batch), hw,
+    return search.predict(candidate, tracer.workload(candidate.batch, savings=False), hw,
                           tracer.recompute(candidate.batch, tables))
 
 
