@@ -12,6 +12,7 @@ help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
 	@echo "make compile-llama405b-offload               its full-scale step compiled for its GPUs (no GPU needed)"
+	@echo "make search-llama405b-offload [ARGS=device=h200]  placements ranked by predicted memory and step time"
 	@echo "make llama405b-compare                       the study's four Llama rows, one table"
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite (8 fake CPU devices, GPU programs compiled without a GPU)"
@@ -54,6 +55,9 @@ deepseek%: $(READY)
 
 plan-%: $(READY)
 	$(PY) train.py $* --plan $(ARGS)
+
+search-%: $(READY)
+	$(PY) train.py $* --search $(ARGS)
 
 compile-%: $(COMPILE_READY)
 	$(PY) train.py $* --compile $(ARGS)

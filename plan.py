@@ -105,8 +105,9 @@ class Program:
                                None if in_host is None else (s.scan, s.tag) in in_host)
                 for s in sorted(sites, key=lambda s: scans.index(s.scan))]
 
-    def memory_plan(self, capacity: int, host_capacity: int,
-                    compiled_hlo: str | None = None) -> memory.MemoryPlan:
+    def memory_plan(self, capacity: int, host_capacity: int, compiled_hlo: str | None = None,
+                    tags: list[memory.TagLine] | None = None) -> memory.MemoryPlan:
+        """The plan; `tags` (a placement list already made) spares exporting the step."""
         residuals = trace.saved_residuals(self.local_loss(self.tables), self.local_params,
                                           self.local_batch)
         # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
@@ -121,7 +122,7 @@ class Program:
             params=memory.per_device_bytes(self.state["params"]),
             grads=memory.per_device_bytes(self.state["params"]),
             optimizer=memory.per_device_bytes(self.state["opt_state"]),
-            tags=self.tag_lines(compiled_hlo),
+            tags=self.tag_lines(compiled_hlo) if tags is None else tags,
             residuals=memory.per_device_residuals(residuals, shapes, self.fsdp),
             layers=tuple(next(iter(self.specs[scan].values())).shape[0] for scan in scans),
             layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
@@ -131,6 +132,13 @@ class Program:
             exchange=self.exchange_buffers(),
             capacity=capacity, host_capacity=host_capacity,
             matrices=self.quantizable_matrices() if self.run.quant != "none" else None)
+
+    def gathered_layer_bytes(self, scan: str) -> int:
+        """One layer's weights as FSDP all-gathers them (in the compute dtype), which is also
+        its gradients' reduce-scatter; a device's own experts are not gathered."""
+        shared = [s for s in self.specs[scan].values() if not self._split_by_expert(s)]
+        return (sum(math.prod(s.shape[1:]) for s in shared)
+                * jnp.dtype(self.run.compute_dtype).itemsize)
 
     def exchange_buffers(self) -> int:
         """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the

@@ -4,6 +4,8 @@
     python train.py EXPERIMENT --plan [key=value ...]      its full-scale memory plan
     python train.py EXPERIMENT --compile [key=value ...]   its full-scale step compiled for its
                                                            GPUs (device=...), without a GPU
+    python train.py EXPERIMENT --search [key=value ...]    placements ranked by predicted memory
+                                                           and step time (placement_search.py)
     python train.py --list                                 the experiments, one line each
     python train.py export CHECKPOINT hf_dir=DIR [dtype=bfloat16]
                                                            trained weights as a Hugging Face
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 
 import checkpoints
 import configs
+import placement_search
 import plan
 import report
 import training
@@ -316,6 +319,23 @@ def print_compile(name: str, args: list[str]) -> None:
                                         built.full_plan, gpu)))
 
 
+def print_search(name: str, args: list[str]) -> None:
+    """The experiment's placements ranked by predicted memory and step time on its `device`;
+    `search.verify=N` compiles the best N for those GPUs through `build` (a minute each)."""
+    args, options = placement_search.split_options(args)
+    setup = resolve(name, args, full=True)
+    result = placement_search.run_search(setup.experiment, options, time.perf_counter)
+    print("\n".join(placement_search.report_lines(result, int(options["top"]))))
+    if options["plot"] != "off":
+        print(placement_search.write_plot(result, setup.run.out_dir))
+    gpu, run = GPUS[setup.run.device], setup.run
+    for prediction in result.ranked[:int(options["verify"])]:
+        overrides = placement_search.run_overrides(prediction, setup.model)
+        built = build(resolve(name, [*args, *overrides], full=True),
+                      backend.compile_only(gpu, run.mesh.data * run.mesh.fsdp))
+        print(placement_search.verified_line(prediction, built.compiled, overrides))
+
+
 def exit_status(summary: dict | None) -> int:
     """0 done; 1 the loss stopped being finite; 128 + the signal's number when stopped by one
     (the shell's convention for a process a signal ended)."""
@@ -370,14 +390,15 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--list":
         list_experiments()
         return 0
-    name, args = argv[0], [a for a in argv[1:] if a not in ("--plan", "--compile")]
+    name, args = argv[0], [a for a in argv[1:] if a not in ("--plan", "--compile", "--search")]
     try:
         maybe_initialize_distributed()
         target = backend.this_machine()  # starts JAX's backend (quietly; see backend.py)
         if name == "export":
             export(argv[1:])
             return 0
-        for flag, show in (("--plan", print_plan), ("--compile", print_compile)):
+        for flag, show in (("--plan", print_plan), ("--compile", print_compile),
+                           ("--search", print_search)):
             if flag in argv:
                 for member in configs.COMPARISONS.get(name, (name,)):
                     show(member, args)

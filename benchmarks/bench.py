@@ -91,6 +91,11 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
                    stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
     print(f"full-scale plan (python train.py {name} --plan, a fresh process): "
           f"{time.perf_counter() - started:.1f} s")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "train.py", name, "--search", "search.plot=off"], check=True,
+                   stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
+    print(f"placement search (python train.py {name} --search, a fresh process): "
+          f"{time.perf_counter() - started:.1f} s")
 
 
 QUANT_ROWS = {"none": dict(quant="none"), "nvfp4 1x16": dict(quant="nvfp4", quant_tiles="1x16"),

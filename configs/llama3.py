@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from configs import COMPARISONS, Experiment, MeshConfig, RunConfig, register
+from configs import COMPARISONS, STUDY_TFLOPS, Experiment, MeshConfig, RunConfig, register
 from model.config import LlamaConfig
 
 LLAMA31_8B = LlamaConfig(vocab=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -64,3 +64,5 @@ register(
 # The study's Llama table, row by row (make llama405b-compare).
 COMPARISONS["llama405b-compare"] = ("llama405b-baseline", "llama405b-offload",
                                     "llama405b-offload-nolhs", "llama405b-offload-pipelined")
+STUDY_TFLOPS.update({"llama405b-baseline": 2669, "llama405b-offload": 2746,
+                     "llama405b-offload-nolhs": 2569, "llama405b-offload-pipelined": 2718})

@@ -112,3 +112,53 @@ def saved_residuals(fn, *args) -> list[Residual]:
     return [Residual(aval.shape, aval.dtype, "host" in str(getattr(aval, "memory_space", "")
                                                             ).lower(), source)
             for aval, source in ad_checkpoint.saved_residuals(fn, *args)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One device's share of a traced step (a gradient): dot FLOPs and the bytes it sends
+    through all-to-alls, per (scan, pass), and where each tag sits in its layer."""
+    flops: dict  # (scan, "forward" | "backward") -> FLOPs; scan "" outside any layer scan
+    exchanged: dict  # (scan, pass) -> bytes sent by all-to-alls
+    positions: dict  # (scan, tag) -> share of one layer's forward dot FLOPs before the tag
+
+
+def _dot_flops(eqn) -> float:
+    if eqn.primitive.name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
+    if eqn.primitive.name == "ragged_dot":  # [m, k] x [groups, k, n]: each row meets one group
+        return 2.0 * np.prod(eqn.invars[0].aval.shape) * eqn.invars[1].aval.shape[-1]
+    return 0.0
+
+
+def work(fn, *args, devices: int) -> Work:
+    """Dot FLOPs and all-to-all bytes of `fn` (e.g. a gradient) traced on sharded abstract
+    `args`, per device: a global shape's work is spread over the `devices`, a shard_map body's
+    is one device's already. Autodiff names a layer scan's backward "transpose(jvp(scan))"."""
+    flops, exchanged, positions, layer_flops = {}, {}, {}, {}
+
+    def visit(jaxpr, count, scan, backward, share):
+        for eqn in jaxpr.eqns:
+            key = (scan, "backward" if backward else "forward")
+            if (done := _dot_flops(eqn)) and scan and not backward:
+                layer_flops[scan] = layer_flops.get(scan, 0.0) + done * share
+            flops[key] = flops.get(key, 0.0) + count * share * done
+            if eqn.primitive.name == "all_to_all":
+                sent = eqn.invars[0].aval.size * eqn.invars[0].aval.dtype.itemsize
+                exchanged[key] = exchanged.get(key, 0.0) + count * share * sent
+            if eqn.primitive.name == "name" and scan and not backward:
+                positions.setdefault((scan, eqn.params["name"]), layer_flops.get(scan, 0.0))
+            inner = (count, scan, backward, 0 if eqn.primitive.name == "shard_map" else share)
+            if eqn.primitive.name == "scan":
+                stack = str(eqn.source_info.name_stack).split("/")[-1]
+                inner = (count * eqn.params["length"], _scope(stack) or scan,
+                         backward or stack.startswith("transpose("), share)
+            for sub in _sub_jaxprs(eqn):
+                visit(sub, *inner[:3], inner[3] or 1.0)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr, 1, "", False, 1.0 / devices)
+    positions = {k: v / layer_flops[k[0]] if layer_flops.get(k[0]) else 0.0
+                 for k, v in positions.items()}
+    return Work(flops, exchanged, positions)

@@ -1,0 +1,284 @@
+"""Placement search: each candidate's device memory and step time, predicted without a GPU.
+
+A candidate is a micro batch (per-device batch), one placement table per layer scan and an XLA
+schedule (latency hiding scheduler on or off, pipelined host offloading on or off). Its inputs
+come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `trace.work`)
+and from the hardware figures; nothing here traces or reads configs.
+
+Time model, per layer scan and per layer (`predict`):
+  compute    executed dot FLOPs (no checkpointing, plus what this table recomputes) at one
+             calibrated rate (an efficiency figure x the GPU's bf16 peak);
+  host link  each offloaded tag's bytes, once to host in the forward pass and once back;
+  NVLink     FSDP: the layer's weights all-gathered in each pass, its gradients
+             reduce-scattered; expert all-to-alls (and the ones the recompute repeats).
+Overlap: without the latency hiding scheduler every transfer and collective is exposed. With
+it, FSDP collectives hide behind the layer's compute; a host copy hides behind the compute
+between its tag and the end of the layer (forward) or between the start of the layer's
+backward and the tag's use (backward), one copy at a time on the link; with pipelined host
+offloading a copy has the whole neighbouring layer, and one layer's offloaded tags more sit on
+the device. Expert all-to-alls feed the GEMMs after them: always exposed.
+"""
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+PLACES = ("device", "offload", "remat")
+EXHAUSTIVE = 20_000  # per micro batch and schedule: search every table up to this many
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """A tag whose placement changes something, per device and per layer."""
+    name: str
+    nbytes: int
+    position: float  # share of the layer's forward dot FLOPs computed before it
+    saved_flops: float  # recompute FLOPs saved by keeping it (traced with only it kept)
+    saved_exchange: float  # recomputed all-to-all bytes saved by keeping it
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """One layer scan at one micro batch, per device and per layer."""
+    name: str
+    layers: int
+    tags: tuple[Tag, ...]  # the layer input first: it can be kept or offloaded, not recomputed
+    forward_flops: float  # no checkpointing
+    backward_flops: float
+    remat_flops: float  # recomputed when nothing but the layer input is kept
+    exchange: float  # all-to-all bytes sent per pass, no checkpointing
+    remat_exchange: float  # all-to-all bytes the recompute repeats, nothing kept
+    weight_bytes: int  # the layer's weights as gathered; its gradients as reduce-scattered
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    batch: int
+    scans: tuple[Scan, ...]
+    other_flops: float  # dots outside the layer scans (LM head, loss), both passes
+    fixed_bytes: int  # state, gradients, what outlives the layers, one layer's backward
+    model_flops: float  # MaxText's count, for TFLOP/s/device
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    rate: float  # dot FLOP/s achieved: efficiency x bf16 peak
+    nvlink: float  # bytes/s each way
+    host_link: float  # bytes/s each way
+    devices: int  # in the FSDP and expert collectives
+    capacity: int  # device memory JAX takes
+    host_capacity: int  # host memory per GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    lhs: bool
+    pipelined: bool = False
+
+    def __str__(self) -> str:
+        return "LHS+pipelined" if self.pipelined else ("LHS" if self.lhs else "no LHS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    batch: int
+    tables: tuple  # ((scan, ((tag, place), ...)), ...): hashable; absent tags are remat
+    schedule: Schedule
+    row: str = ""  # the study row it is, if any
+
+    def table(self, scan: str) -> dict:
+        return dict(dict(self.tables).get(scan, ()))
+
+
+def make_candidate(batch: int, tables: dict, schedule: Schedule, row: str = "") -> Candidate:
+    frozen = tuple((s, tuple(sorted((t, p) for t, p in table.items() if p != "remat")))
+                   for s, table in sorted(tables.items()))
+    return Candidate(batch, frozen, schedule, row)
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """A candidate's (or one scan's) share of memory and time; sums over scans."""
+    device: float = 0.0
+    host: float = 0.0
+    prefetch: float = 0.0  # one layer's offloaded bytes (pipelining keeps them in flight)
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    host_s: float = 0.0  # exposed host transfers
+    link_s: float = 0.0  # exposed NVLink collectives
+
+    def __add__(self, other: "Terms") -> "Terms":
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
+                  for f in dataclasses.fields(self)}
+        return Terms(**summed | {"prefetch": max(self.prefetch, other.prefetch)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    terms: Terms
+    device_bytes: float
+    host_bytes: float
+    step_s: float
+    tflops: float  # MaxText's model FLOPs / step / device, in TFLOP/s
+    fits: bool
+    exact: bool  # recompute counted from this table's own trace (else summed per tag)
+
+
+def _host_stall(copies: list, pass_s: float, forward: bool, pipelined: bool) -> float:
+    """Seconds one layer's pass waits for its host copies, (tag position, seconds) each, one
+    at a time on the link."""
+    total = sum(n for _, n in copies)
+    if pipelined or not copies:
+        return max(0.0, total - pass_s)
+    if forward:  # each copy starts once its tag exists and must land by the layer's end
+        link = 0.0
+        for position, n in sorted(copies):
+            link = max(link, position * pass_s) + n
+        return max(0.0, link - pass_s)
+    link = stall = 0.0  # all start with the layer's backward, needed as it reaches each tag
+    for position, n in sorted(copies, reverse=True):
+        link += n
+        stall = max(stall, link - (1 - position) * pass_s)
+    return stall
+
+
+def place(scan: Scan, placed: dict, tag: Tag) -> str:
+    """A tag's placement; a table without the layer input keeps it on the device."""
+    return placed.get(tag.name, "device" if tag is scan.tags[0] else "remat")
+
+
+def scan_terms(scan: Scan, placed: dict, sched: Schedule, hw: Hardware,
+               recompute: tuple[float, float]) -> Terms:
+    """One scan's memory and time under a placement (`recompute`: FLOPs and all-to-all bytes
+    one layer's backward repeats)."""
+    flops, exchange = recompute
+    kept = [t for t in scan.tags if place(scan, placed, t) == "device"]
+    moved = [t for t in scan.tags if place(scan, placed, t) == "offload"]
+    forward_s = scan.forward_flops / hw.rate
+    backward_s = (scan.backward_flops + flops) / hw.rate
+    ring = (hw.devices - 1) / hw.devices / hw.nvlink  # seconds per byte of a collective
+    gather = scan.weight_bytes * ring
+    exchange_s = (2 * scan.exchange + exchange) * ring
+    to_host = sum(t.nbytes for t in moved) / hw.host_link
+    if sched.lhs:
+        copies = [(t.position, t.nbytes / hw.host_link) for t in moved]
+        host = (_host_stall(copies, forward_s, True, sched.pipelined)
+                + _host_stall(copies, backward_s, False, sched.pipelined))
+        link = max(0.0, gather - forward_s) + max(0.0, 2 * gather - backward_s) + exchange_s
+    else:
+        host, link = 2 * to_host, 3 * gather + exchange_s
+    n = scan.layers
+    return Terms(device=n * sum(t.nbytes for t in kept), host=n * sum(t.nbytes for t in moved),
+                 prefetch=sum(t.nbytes for t in moved) if sched.pipelined else 0.0,
+                 compute_s=n * (forward_s + backward_s), recompute_s=n * flops / hw.rate,
+                 host_s=n * host, link_s=n * link)
+
+
+def estimated_recompute(scan: Scan, placed: dict) -> tuple[float, float]:
+    """Recompute of a table as the all-remat recompute less each kept tag's own saving."""
+    kept = [t for t in scan.tags if placed.get(t.name, "remat") != "remat"]
+    return (max(0.0, scan.remat_flops - sum(t.saved_flops for t in kept)),
+            max(0.0, scan.remat_exchange - sum(t.saved_exchange for t in kept)))
+
+
+def predict(candidate: Candidate, work: Workload, hw: Hardware, recompute=None) -> Prediction:
+    """`recompute`: scan -> (FLOPs, all-to-all bytes) per layer from the table's own trace;
+    None sums each kept tag's traced saving instead."""
+    terms = Terms()
+    for scan in work.scans:
+        placed = candidate.table(scan.name)
+        own = recompute[scan.name] if recompute else estimated_recompute(scan, placed)
+        terms = terms + scan_terms(scan, placed, candidate.schedule, hw, own)
+    return _finish(candidate, work, hw, terms, recompute is not None)
+
+
+def _finish(candidate, work: Workload, hw: Hardware, terms: Terms, exact: bool) -> Prediction:
+    device = work.fixed_bytes + terms.device + terms.prefetch
+    step = terms.compute_s + work.other_flops / hw.rate + terms.host_s + terms.link_s
+    return Prediction(candidate, terms, device, terms.host, step,
+                      work.model_flops / step / 1e12,
+                      device <= hw.capacity and terms.host <= hw.host_capacity, exact)
+
+
+def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
+    """Placement tables of one scan: every one, or (`exhaustive` False) the tags ordered by
+    recompute FLOPs saved per byte kept, the first j on the device and the next k offloaded:
+    where bytes are scarce, the tags that buy the most recompute per byte go first."""
+    first, rest = scan.tags[0], scan.tags[1:]
+    if exhaustive:
+        combos = itertools.product(*[PLACES] * len(rest))
+        tables = [dict(zip([t.name for t in rest], c)) for c in combos]
+    else:
+        order = sorted(rest, key=lambda t: t.saved_flops / max(t.nbytes, 1), reverse=True)
+        tables = [{t.name: "device" for t in order[:j]}
+                  | {t.name: "offload" for t in order[j:j + k]}
+                  for j in range(len(order) + 1) for k in range(len(order) - j + 1)]
+    return [{first.name: p, **t} for p in ("device", "offload") for t in tables]
+
+
+def _front(options: list) -> list:
+    """The (table, Terms) pairs that no other pair beats or equals in every additive term
+    (device bytes, host bytes, prefetch bytes, seconds), ties kept once."""
+    keys = np.array([(a.device, a.host, a.prefetch, a.compute_s + a.host_s + a.link_s)
+                     for _, a in options])
+    keys, first = np.unique(keys, axis=0, return_index=True)
+    kept = []
+    for start in range(0, len(keys), 256):  # in chunks: n x n comparisons at once is n^2 bytes
+        chunk = keys[start:start + 256, None, :]
+        beaten = ((keys[None] <= chunk).all(-1) & (keys[None] < chunk).any(-1)).any(-1)
+        kept += [options[first[start + i]] for i in np.flatnonzero(~beaten)]
+    return kept
+
+
+def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Prediction]:
+    """Every candidate over these micro batches (`works`: batch -> Workload) and schedules,
+    each scan's dominated tables pruned first (memory and time add up over scans), ranked:
+    fitting ones first, then by predicted step time (recompute summed per tag)."""
+    found = []
+    for batch, work in works.items():
+        sizes = [2 * 3 ** (len(s.tags) - 1) for s in work.scans]
+        exhaustive = max(sizes) <= EXHAUSTIVE
+        per_scan = {s.name: scan_tables(s, exhaustive) for s in work.scans}
+        for sched in schedules:
+            fronts = [_front([(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
+                              for t in per_scan[s.name]]) for s in work.scans]
+            for combo in itertools.product(*fronts):
+                tables = {s.name: t for s, (t, _) in zip(work.scans, combo)}
+                terms = sum((a for _, a in combo), Terms())
+                found.append(_finish(make_candidate(batch, tables, sched), work, hw, terms,
+                                     False))
+    return rank(found)
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    """Fitting first, then by throughput (TFLOP/s/device compares micro batches); among
+    equals, the most device memory left (static plans miss NCCL's and cuDNN's), then host."""
+    return sorted(predictions, key=lambda p: (not p.fits, -round(p.tflops, 1), p.device_bytes,
+                                              p.host_bytes))
+
+
+def pareto(predictions: list[Prediction]) -> list[Prediction]:
+    """The fitting predictions no other beats on both device memory and throughput."""
+    fits = sorted((p for p in predictions if p.fits), key=lambda p: (p.device_bytes, -p.tflops))
+    front, best = [], 0.0
+    for p in fits:
+        if p.tflops > best:
+            front.append(p)
+            best = p.tflops
+    return front
+
+
+def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
+    """The `key=value` overrides that run a candidate: every placement spelled out."""
+    out = ["policy=remat", f"per_device_batch={candidate.batch}", "global_batch=0"]
+    for scan in scans:
+        out += [f"policy.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
+    sched = candidate.schedule
+    flags = {"xla_gpu_enable_latency_hiding_scheduler": str(sched.lhs).lower(),
+             "xla_gpu_enable_pipelined_host_offloading": str(sched.pipelined).lower()}
+    if sched.lhs:  # the study's LHS rows: more async copies in flight beside collectives
+        flags["xla_gpu_experimental_parallel_async_compute_limit"] = "8"
+    return out + [f"xla_flags.{k}={v}" for k, v in flags.items()]

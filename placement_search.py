@@ -1,0 +1,378 @@
+"""The placement search's inputs, traced from an experiment, and its report.
+
+    python train.py EXPERIMENT --search [device=gb200|b200|h200|h100] [key=value ...]
+        [search.batches=1,2,4,8] [search.top=10] [search.exact=5] [search.verify=0]
+        [search.plot=auto|off]
+
+Every figure comes from the traced full-scale step (abstract values over an abstract mesh,
+as `--plan`): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
+tag's recompute saving; hardware figures from configs/gpus.py; the one efficiency figure from
+the study's row `configs.CALIBRATION`. `offload/search.py` holds the model and the search.
+"""
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+import jax
+
+import backend
+import configs
+import plan
+import training
+from configs import ConfigError, Experiment
+from configs.gpus import GPUS, Gpu
+from offload import memory, policies, search, trace
+
+GiB = 2**30
+OPTIONS = {"batches": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
+LHS = "xla_gpu_enable_latency_hiding_scheduler"
+PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
+
+
+def split_options(args: list[str]) -> tuple[list[str], dict]:
+    """(run overrides, search options): `search.<key>=` keys are the search's own."""
+    options, rest = dict(OPTIONS), []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if not key.startswith("search."):
+            rest.append(arg)
+        elif key[7:] not in OPTIONS:
+            raise ConfigError(f"unknown key {key!r}; the search has "
+                              f"{', '.join('search.' + k for k in OPTIONS)}")
+        else:
+            options[key[7:]] = value
+    for key in ("top", "exact", "verify"):
+        if not options[key].isdigit():
+            raise ConfigError(f"search.{key}={options[key]!r}: expected a whole number")
+    return rest, options
+
+
+def freeze(tables: dict | None):
+    return None if tables is None else tuple(
+        (s, tuple(sorted(t.items()))) for s, t in sorted(tables.items()))
+
+
+class Tracer:
+    """One experiment's traced step at any micro batch and placement, memoized."""
+
+    def __init__(self, experiment: Experiment):
+        self.experiment, self.model, self.run = experiment, experiment.model, experiment.run
+        self.scans = training.family(self.model).SCANS
+        self.remat = {s: {} for s in self.scans}
+
+    @functools.cache
+    def program(self, batch: int) -> plan.Program:
+        run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0)
+        return plan.Program(self.model, run, self.remat, (run.mesh.data, run.mesh.fsdp))
+
+    @functools.cache
+    def _work(self, batch: int, frozen) -> trace.Work:
+        prog = self.program(batch)
+        tables = None if frozen is None else {s: dict(t) for s, t in frozen}
+        loss = training.make_loss(self.model, prog.run, tables, prog.rules, backend.ANY)
+        return trace.work(jax.grad(lambda p, b: loss(p, b)[0]), prog.state["params"],
+                          prog.batch, devices=prog.devices)
+
+    def work(self, batch: int, tables: dict | None) -> trace.Work:
+        return self._work(batch, freeze(tables))
+
+    def recompute(self, batch: int, tables: dict) -> dict:
+        """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `tables`."""
+        base, own = self.work(batch, None), self.work(batch, tables)
+        layers = self.layers(batch)
+        return {s: tuple((getattr(own, f).get((s, "backward"), 0.0)
+                          - getattr(base, f).get((s, "backward"), 0.0)) / layers[s]
+                         for f in ("flops", "exchanged")) for s in self.scans}
+
+    def layers(self, batch: int) -> dict:
+        specs = self.program(batch).specs
+        return {s: next(iter(specs[s].values())).shape[0] for s in self.scans}
+
+    @functools.cache
+    def sites(self, batch: int) -> list[trace.Tagged]:
+        prog = self.program(batch)
+        found = trace.tagged_values(prog.local_loss(None), prog.local_params, prog.local_batch)
+        return [v for values in found.values() for v in values]
+
+    @functools.cache
+    def tags(self, batch: int) -> dict:
+        """scan -> the tags the backward pass reads, as traced (per device, per layer)."""
+        prog = self.program(batch)
+        everything = {s: {t: "offload" for t in tags}
+                      for s, tags in training.scan_tags(self.model).items()}
+        needed = trace.offloaded_tags(jax.grad(prog.local_loss(everything)),
+                                      prog.local_params, prog.local_batch)
+        needed = {(v.scan, v.tag) for found in needed.values() for v in found}
+        return {s: [v for v in self.sites(batch) if v.scan == s and (s, v.tag) in needed]
+                for s in self.scans}
+
+    @functools.cache
+    def savings(self, scan: str, tag: str) -> tuple[float, float]:
+        """Recompute FLOPs and all-to-all bytes per layer that keeping `tag` alone saves, at
+        the experiment's micro batch, per sequence (both scale with the tokens)."""
+        batch = self.run.per_device_batch
+        alone = self.recompute(batch, {**self.remat, scan: {tag: "device"}})[scan]
+        remat = self.recompute(batch, self.remat)[scan]
+        return tuple((r - a) / batch for r, a in zip(remat, alone))
+
+    @functools.cache
+    def workload(self, batch: int, savings: bool = True) -> search.Workload:
+        """The search's inputs at one micro batch; without `savings` (a candidate counted on
+        its own trace needs none) each tag's recompute saving is left at zero."""
+        prog, none = self.program(batch), self.work(batch, None)
+        remat, layers = self.recompute(batch, self.remat), self.layers(batch)
+        sites = self.tags(batch)
+        fixed = self.remat_plan(batch)
+        scans = []
+        for s in self.scans:
+            tags = sorted(sites[s], key=lambda v: v.tag != policies.LAYER_INPUT)
+            scans.append(search.Scan(
+                s, layers[s], tuple(search.Tag(
+                    v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
+                    *(batch * x for x in (self.savings(s, v.tag) if savings else (0, 0))))
+                    if v.tag != policies.LAYER_INPUT else search.Tag(v.tag, v.nbytes, 0, 0, 0)
+                    for v in tags),
+                none.flops.get((s, "forward"), 0.0) / layers[s],
+                none.flops.get((s, "backward"), 0.0) / layers[s], *remat[s][:1],
+                none.exchanged.get((s, "forward"), 0.0) / layers[s], remat[s][1],
+                prog.gathered_layer_bytes(s)))
+            fixed -= layers[s] * tags[0].nbytes  # the layer input: placed by the candidate
+        other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
+        flops = training.family(self.model).training_flops(self.model, batch, self.run.seq)
+        return search.Workload(batch, tuple(scans), other, fixed, flops)
+
+    @functools.cache
+    def remat_plan(self, batch: int) -> int:
+        """Peak device bytes with every tag recomputed: the static plan's arithmetic."""
+        lines = [memory.TagLine(v, "remat", True, False) for v in self.sites(batch)]
+        gpu = GPUS[self.run.device]
+        return self.program(batch).memory_plan(backend.pool_bytes(gpu), gpu.host_memory,
+                                               tags=lines).peak_estimate
+
+
+def schedule_of(run: configs.RunConfig) -> search.Schedule:
+    flags = run.xla_flags
+    return search.Schedule(flags.get(LHS, "false") == "true", flags.get(PIPELINED) == "true")
+
+
+def study_rows(experiment: Experiment) -> list[Experiment]:
+    """The registered rows of this experiment's model, sequence and mesh: the study's (and
+    any searched one), each placed in the search's table."""
+    key = (experiment.model, experiment.run.seq, experiment.run.mesh)
+    return [e for e in configs.EXPERIMENTS.values()
+            if (e.model, e.run.seq, e.run.mesh) == key]
+
+
+_TRACERS: dict[str, Tracer] = {}
+
+
+def tracer_for(experiment: Experiment) -> Tracer:
+    """One Tracer per model and run (its policy, flags and batch aside: a tracer sets them)."""
+    run = dataclasses.replace(experiment.run, policy="remat", placements={}, xla_flags={},
+                              per_device_batch=1, global_batch=0, device="gb200")
+    key = repr((experiment.model, run))
+    if key not in _TRACERS:
+        _TRACERS[key] = Tracer(experiment)
+    return _TRACERS[key]
+
+
+def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
+    tables = policies.placement_tables(row.run.policy, row.run.placements,
+                                       training.scan_tags(row.model))
+    return search.make_candidate(row.run.per_device_batch, tables, schedule_of(row.run),
+                                 row.name)
+
+
+def hardware(gpu: Gpu, efficiency: float, devices: int) -> search.Hardware:
+    return search.Hardware(gpu.name, efficiency * gpu.bf16_flops, gpu.nvlink, gpu.host_link,
+                           devices, backend.pool_bytes(gpu), gpu.host_memory)
+
+
+def exact(tracer: Tracer, candidate: search.Candidate, hw: search.Hardware):
+    tables = {s: candidate.table(s) for s in tracer.scans}
+    return search.predict(candidate, tracer.workload(candidate.batch, savings=False), hw,
+                          tracer.recompute(candidate.batch, tables))
+
+
+@functools.cache
+def efficiency() -> float:
+    """Achieved dot FLOP/s over the GB200's bf16 peak at which the calibration row's predicted
+    step time equals the study's (bisection: the step time falls as the rate grows)."""
+    row = configs.get(configs.CALIBRATION)
+    tracer, gpu = tracer_for(row), GPUS["gb200"]
+    candidate = row_candidate(tracer, row)
+    devices = row.run.mesh.data * row.run.mesh.fsdp
+    measured = tracer.workload(candidate.batch).model_flops / configs.STUDY_TFLOPS[row.name]
+    low, high = 1e-3, 1e2
+    for _ in range(60):
+        middle = (low * high) ** 0.5
+        step = exact(tracer, candidate, hardware(gpu, middle, devices)).step_s
+        low, high = (middle, high) if step > measured / 1e12 else (low, middle)
+    return (low * high) ** 0.5
+
+
+@dataclasses.dataclass
+class Result:
+    experiment: Experiment
+    hw: search.Hardware
+    batches: list[int]
+    ranked: list[search.Prediction]  # every candidate searched, best first
+    rows: list[search.Prediction]  # the study's rows, exact
+    searched: int
+    seconds: float
+
+
+def batches_of(experiment: Experiment, text: str) -> list[int]:
+    """Per-device micro batches: given, or every divisor of the experiment's own."""
+    if not text:
+        n = experiment.run.per_device_batch
+        return [b for b in range(1, n + 1) if n % b == 0]
+    try:
+        found = sorted({int(b) for b in text.split(",")})
+    except ValueError:
+        found = [0]
+    if found[0] < 1:
+        raise ConfigError(f"search.batches={text!r}: expected whole numbers >= 1, e.g. 1,2,4")
+    return found
+
+
+def run_search(experiment: Experiment, options: dict, clock) -> Result:
+    """Search `experiment`'s placements on its device; the top `exact` fitting candidates and
+    the study's rows get their recompute counted from their own trace."""
+    started = clock()
+    run = experiment.run
+    tracer = tracer_for(experiment)
+    hw = hardware(GPUS[run.device], efficiency(), run.mesh.data * run.mesh.fsdp)
+    rows = [row_candidate(tracer, e) for e in study_rows(experiment)]
+    batches = batches_of(experiment, options["batches"])
+    works = {b: tracer.workload(b) for b in batches}
+    schedules = [search.Schedule(True), search.Schedule(True, True)]
+    ranked = search.search(works, hw, schedules)
+    searched = len(ranked)
+    # Count the leaders' recompute on their own traces until the leaders are all counted so.
+    while (todo := [p for p in ranked[:int(options["exact"])] if p.fits and not p.exact]):
+        ranked = search.rank([exact(tracer, p.candidate, hw) if p in todo else p
+                              for p in ranked])
+    return Result(experiment, hw, batches, ranked, [exact(tracer, c, hw) for c in rows],
+                  searched, clock() - started)
+
+
+def placement_text(candidate: search.Candidate, scans) -> str:
+    """Per scan: the tags kept on device (D) and offloaded (H); the rest are recomputed (the
+    layer input, kept on device unless offloaded, is named only when offloaded)."""
+    parts = []
+    for scan in scans:
+        table = candidate.table(scan)
+        kept = [t for t, p in table.items() if p == "device" and t != policies.LAYER_INPUT]
+        moved = [t for t, p in table.items() if p == "offload"]
+        parts.append(f"{scan}: D[{' '.join(kept)}] H[{' '.join(moved)}]")
+    return "; ".join(parts)
+
+
+def _line(p: search.Prediction, rank: str, scans) -> str:
+    c, t = p.candidate, p.terms
+    study = configs.STUDY_TFLOPS.get(c.row)
+    return (f"{rank:>5} {c.batch:>3} {str(c.schedule):<14}{p.device_bytes / GiB:>8.1f}"
+            f"{p.host_bytes / GiB:>8.1f}{p.step_s:>8.2f}{p.tflops:>9.0f}"
+            f"{'' if study is None else f'{study:.0f}':>7}{t.recompute_s:>8.2f}{t.host_s:>7.2f}"
+            f"{t.link_s:>7.2f}  {'fits' if p.fits else 'NO':<5}{'' if p.exact else '~':<2}"
+            f"{c.row or placement_text(c, scans)}")
+
+
+HEADER = (f"{'rank':>5} {'mb':>3} {'schedule':<14}{'device':>8}{'host':>8}{'step s':>8}"
+          f"{'TFLOP/s':>9}{'study':>7}{'recomp':>8}{'host s':>7}{'link s':>7}  "
+          "fit   placement (D device, H host; the rest recomputed)")
+
+
+def report_lines(result: Result, top: int) -> list[str]:
+    hw, e = result.hw, result.experiment
+    scans = training.family(e.model).SCANS
+    gpu = GPUS[hw.name]
+    calibration = configs.CALIBRATION
+    lines = [
+        f"placement search: {e.name} on {hw.devices} x {hw.name}, micro batches "
+        f"{','.join(map(str, result.batches))}; {result.searched} candidates, "
+        f"{sum(p.fits for p in result.ranked)} fit {hw.capacity / GiB:.1f} GiB "
+        f"(JAX's pool) and {hw.host_capacity / GiB:.0f} GiB host; {result.seconds:.1f} s",
+        f"time model: dot FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s ({efficiency():.3f} x the "
+        f"{hw.name}'s {gpu.bf16_flops / 1e12:,.0f} TFLOP/s bf16 peak; the efficiency is "
+        f"calibrated on {calibration}, {configs.STUDY_TFLOPS[calibration]:,} TFLOP/s on 128 "
+        f"GB200s); NVLink {hw.nvlink / 1e9:.0f} GB/s, host link {hw.host_link / 1e9:.0f} GB/s "
+        "each way",
+        "GiB per device; TFLOP/s/device by MaxText's formula; seconds per step: recompute, and "
+        "exposed host transfers and NVLink collectives; ~: recompute summed per tag (the rest "
+        "counted on their own trace)", HEADER]
+    lines += [_line(p, str(i + 1), scans) for i, p in enumerate(result.ranked[:top])]
+    lines += ["the study's rows (and registered rows of this model), counted on their traces:"]
+    lines += [_line(p, "row", scans) for p in result.rows]
+    front = search.pareto(result.ranked + result.rows)
+    lines += ["Pareto front (least device memory for the throughput):"]
+    lines += [_line(p, "pareto", scans) for p in front]
+    return lines + best_lines(result, scans)
+
+
+def best_lines(result: Result, scans) -> list[str]:
+    best = result.ranked[0]
+    if not best.fits:
+        return ["no candidate fits"]
+    measured = [p for p in result.rows if p.candidate.row in configs.STUDY_TFLOPS]
+    lines = []
+    if measured:
+        row = max(measured, key=lambda p: configs.STUDY_TFLOPS[p.candidate.row])
+        lines.append(f"best: {best.tflops:,.0f} TFLOP/s/device predicted, "
+                     f"{best.tflops / row.tflops - 1:+.1%} over the study's best row "
+                     f"{row.candidate.row} as predicted ({row.tflops:,.0f}; measured "
+                     f"{configs.STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
+    pool = float(os.environ.get(plan.HOST_POOL_VARIABLE, plan.HOST_POOL_DEFAULT_GIB))
+    if best.host_bytes > pool * GiB:
+        lines.append(f"its host bytes exceed XLA's pinned-host pool: set "
+                     f"{plan.HOST_POOL_VARIABLE}={int(best.host_bytes / GiB * 1.1) + 1}")
+    return lines + ["run it: python train.py " + " ".join(
+        [result.experiment.name, f"device={result.hw.name}",
+         *search.overrides(best.candidate, scans)])]
+
+
+def run_overrides(prediction: search.Prediction, model) -> list[str]:
+    return search.overrides(prediction.candidate, training.family(model).SCANS)
+
+
+def verified_line(prediction: search.Prediction, compiled, overrides: list[str]) -> str:
+    """A candidate compiled for its GPUs: XLA's memory beside the prediction."""
+    got = memory.CompiledMemory.of(compiled)
+    return (f"compiled: {got.device / GiB:.1f} GiB device, {got.host / GiB:.1f} GiB host "
+            f"(predicted {prediction.device_bytes / GiB:.1f}, "
+            f"{prediction.host_bytes / GiB:.1f}) for {' '.join(overrides)}")
+
+
+def write_plot(result: Result, out_dir: str) -> str:
+    """Every fitting candidate and the Pareto front as a PNG beside the runs (device memory vs
+    predicted TFLOP/s/device, host bytes as colour, the study's rows marked), when the
+    optional `plot` extra (matplotlib) is installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "picture: none (matplotlib is not installed: pip install -e '.[plot]')"
+    path = Path(out_dir) / f"search-{result.experiment.name}-{result.hw.name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fits = [p for p in result.ranked if p.fits]
+    figure, axes = plt.subplots(figsize=(8, 5))
+    dots = axes.scatter([p.device_bytes / GiB for p in fits], [p.tflops for p in fits], s=6,
+                        c=[p.host_bytes / GiB for p in fits], cmap="viridis", alpha=0.5)
+    figure.colorbar(dots, label="host GiB per device")
+    front = search.pareto(result.ranked + result.rows)
+    axes.plot([p.device_bytes / GiB for p in front], [p.tflops for p in front], "k-",
+              label="Pareto front")
+    for p in result.rows:
+        axes.scatter(p.device_bytes / GiB, p.tflops, marker="x", color="red")
+        axes.annotate(p.candidate.row, (p.device_bytes / GiB, p.tflops), fontsize=7)
+    axes.axvline(result.hw.capacity / GiB, color="grey", linestyle=":", label="JAX's pool")
+    axes.set(xlabel="device GiB (predicted)", ylabel="TFLOP/s/device (predicted)",
+             title=f"{result.experiment.name} on {result.hw.devices} x {result.hw.name}")
+    axes.legend()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return f"picture: {path}"
