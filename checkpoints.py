@@ -117,6 +117,32 @@ def find(target: str, out_dir: str, run_prefix: str) -> Source:
     raise CheckpointNotFound(f"resume={target}: {why} in {directory}")
 
 
+def check_outputs(setup, batch_size: int) -> Source | None:
+    """Where the run writes and the checkpoint it resumes from, checked before anything is
+    compiled: an unusable folder, a checkpoint directory already in use or a resume that
+    cannot work is one line."""
+    run = setup.run
+    for key in ("out_dir", "checkpoint_dir"):
+        path = Path(getattr(run, key))
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if getattr(run, key) and not existing.is_dir():
+            raise ConfigError(f"{key}={getattr(run, key)}: {existing} is a file, not a folder")
+    if run.checkpoint_dir and any(Path(run.checkpoint_dir).glob("*")):
+        raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
+                          f"{run.checkpoint_dir} continues from it; a new run needs a new folder")
+    if run.resume:
+        source = find(run.resume, run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        meta = source.meta(source.steps[0])
+        if found := differences(meta, setup, batch_size):
+            raise ConfigError(f"resume={run.resume}: not this run's checkpoint: {found[0]}"
+                              + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
+        if meta["step"] >= run.steps:
+            raise ConfigError(f"resume={run.resume}: the checkpoint is at step {meta['step']}, "
+                              f"the run has {run.steps} steps: nothing left to train")
+        return source
+    return None
+
+
 def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
     """(state, meta) of the newest step of `source` that reads back, resharded onto the
     shardings of `abstract_state`. A step named explicitly that does not read is an error; when

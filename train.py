@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -121,33 +120,8 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     setup = Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
                   hf_params)
     if not full:
-        check_outputs(setup, run.batch(len(devices)))
+        setup.resume = checkpoints.check_outputs(setup, run.batch(len(devices)))
     return setup
-
-
-def check_outputs(setup: Setup, batch_size: int) -> None:
-    """Where the run writes and what it resumes, before anything is compiled: an unusable
-    folder, a checkpoint directory already in use or a resume that cannot work is one line."""
-    run = setup.run
-    for key in ("out_dir", "checkpoint_dir"):
-        path = Path(getattr(run, key))
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if getattr(run, key) and not existing.is_dir():
-            raise ConfigError(f"{key}={getattr(run, key)}: {existing} is a file, not a folder")
-    if run.checkpoint_dir and any(Path(run.checkpoint_dir).glob("*")):
-        raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
-                          f"{run.checkpoint_dir} continues from it; a new run needs a new folder")
-    if run.resume:
-        source = checkpoints.find(run.resume, run.out_dir,
-                                  f"{setup.experiment.name}-{setup.scale}")
-        meta = source.meta(source.steps[0])
-        if found := checkpoints.differences(meta, setup, batch_size):
-            raise ConfigError(f"resume={run.resume}: not this run's checkpoint: {found[0]}"
-                              + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
-        if meta["step"] >= run.steps:
-            raise ConfigError(f"resume={run.resume}: the checkpoint is at step {meta['step']}, "
-                              f"the run has {run.steps} steps: nothing left to train")
-        setup.resume = source
 
 
 def placement_tables(model, run: configs.RunConfig) -> dict | None:
