@@ -39,7 +39,7 @@ def _read(step_dir: Path, **items) -> dict:
 
 
 class CheckpointNotFound(ConfigError):
-    """A resume target with no complete checkpoint, or an incompatible one: exit status 2."""
+    """A resume or export target with no complete, readable checkpoint: exit status 2."""
 
 
 def _plain(value) -> object:

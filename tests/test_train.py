@@ -200,23 +200,35 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
         policies.placement_tables(run.policy, run.placements, training.scan_tags(model))
 
 
-def test_compare_runs_the_four_rows_into_one_table(tmp_path, capsys):
-    # quant=none: the comparison's mechanics only (NVFP4 runs are checked end to end above).
-    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2", "quant=none"], tmp_path,
-                             capsys)
+def test_compare_runs_each_row_into_one_table(tmp_path, capsys, monkeypatch):
+    """The comparison's mechanics: each row resolved with the same overrides and run, then one
+    table (each run itself is tested end to end in tests/test_checkpoints.py)."""
+    ran = []
+
+    def fake_train(setup, target):
+        ran.append((setup.experiment.name, setup.run.steps))
+        return {"median_step_s": 0.5, "tflops_per_device": 1.0, "peak_device_bytes": None,
+                "host_offload_bytes_planned": 2**30}
+
+    monkeypatch.setattr(train, "train", fake_train)
+    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2"], tmp_path, capsys)
     assert code == 0, err
+    assert ran == [(name, 2) for name in configs.COMPARISONS["llama405b-compare"]]
     (folder,) = tmp_path.glob("llama405b-compare-*")
     rows = (folder / "compare.csv").read_text().splitlines()
-    assert [r.split(",")[:4] for r in rows[1:]] == [
-        ["llama405b-baseline", "remat", "true", "false"],
-        ["llama405b-offload", "qkv_offload", "true", "false"],
-        ["llama405b-offload-nolhs", "qkv_offload", "false", "false"],
-        ["llama405b-offload-pipelined", "qkv_offload", "true", "true"]]
+    assert [r.split(",") for r in rows[1:]] == [
+        ["llama405b-baseline", "remat", "true", "false", "500.0", "1.000", "n/a", "1.00"],
+        ["llama405b-offload", "qkv_offload", "true", "false", "500.0", "1.000", "n/a", "1.00"],
+        ["llama405b-offload-nolhs", "qkv_offload", "false", "false", "500.0", "1.000", "n/a",
+         "1.00"],
+        ["llama405b-offload-pipelined", "qkv_offload", "true", "true", "500.0", "1.000", "n/a",
+         "1.00"]]
     assert (folder / "compare.md").read_text() in out
 
 
-def test_a_comparison_plans_each_of_its_rows(capsys):
-    assert train.main(["llama405b-compare", "--plan"]) == 0
-    planned = [line.split()[2] for line in capsys.readouterr().out.splitlines()
-               if line.startswith("memory plan: ")]
-    assert planned == list(configs.COMPARISONS["llama405b-compare"])
+def test_a_comparison_plans_and_compiles_each_of_its_rows(monkeypatch):
+    shown = []
+    for flag in ("plan", "compile"):
+        monkeypatch.setattr(train, f"print_{flag}", lambda name, args: shown.append(name))
+        assert train.main(["llama405b-compare", f"--{flag}", "steps=2"]) == 0
+    assert shown == list(configs.COMPARISONS["llama405b-compare"]) * 2
