@@ -179,7 +179,7 @@ class RunLog:
         self._say("=" * 100)
 
     def maybe_start_profile(self, step: int) -> None:
-        if self.profile_steps and step == self.profile_steps[0]:
+        if self.main and self.profile_steps and step == self.profile_steps[0]:
             jax.profiler.start_trace(str(self.dir / "profile"))
 
     def step_done(self, step: int, metrics) -> bool:
@@ -189,7 +189,7 @@ class RunLog:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         self.times.append(seconds)
-        if self.profile_steps and step == self.profile_steps[1]:
+        if self.main and self.profile_steps and step == self.profile_steps[1]:
             jax.profiler.stop_trace()
             self._say(f"profile: {self.dir / 'profile'} (open in Perfetto or TensorBoard)")
         if not math.isfinite(loss):
@@ -246,7 +246,9 @@ class RunLog:
 
 def comparison(name: str, rows: list) -> None:
     """One table for a comparison's runs (shaped like the study's), printed and written as
-    markdown and CSV beside the runs."""
+    markdown and CSV beside the runs, by process 0 only."""
+    if jax.process_index() != 0:
+        return
     header = ["row", "policy", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
               "peak device GiB", "host offload GiB (planned)"]
     table = []
