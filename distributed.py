@@ -7,8 +7,9 @@ Launchers, first match wins:
     coordinator is the launching host from OMPI_MCA_orte_hnp_uri (Open MPI 4), or
     JAX_COORDINATOR_ADDRESS (Open MPI 5 has no such variable).
   - SLURM (`srun`): SLURM_NTASKS / _PROCID / _LOCALID, the coordinator the first host of
-    SLURM_STEP_NODELIST. Checked after Open MPI because `mpirun` inside a SLURM job inherits
-    the batch step's SLURM_* variables.
+    SLURM_STEP_NODELIST. Only a job step (srun) sets SLURM_STEP_*: a batch script's own
+    commands (a plan before the srun) stay single processes though SLURM_NTASKS is set.
+    Checked after Open MPI because `mpirun` inside a SLURM job inherits SLURM_* variables.
   - An explicit launch: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, all
     three (JAX itself reads only the address).
 JAX_COORDINATOR_ADDRESS overrides a launcher's coordinator, JAX_COORDINATOR_PORT its port (the
@@ -105,7 +106,7 @@ def _openmpi(env) -> Launch:
 def _slurm(env) -> Launch:
     tasks, task = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID")
     nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or str(tasks)
-    host = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    host = first_host(env["SLURM_STEP_NODELIST"])
     return Launch("slurm", _address(env, host, _job_port(_int(env, "SLURM_JOB_ID"))), tasks,
                   task, _local_ids(env, "SLURM_LOCALID", tasks > int(nodes)))
 
@@ -126,7 +127,7 @@ def detect(env=os.environ) -> Launch | None:
     """The launch this environment describes; None for a single process."""
     if "OMPI_COMM_WORLD_SIZE" in env:
         launch = _openmpi(env)
-    elif all(name in env for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")):
+    elif all(name in env for name in ("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")):
         launch = _slurm(env)
     elif any(env.get(name) for name in EXPLICIT):
         launch = _explicit(env)

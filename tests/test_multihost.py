@@ -6,11 +6,7 @@ this test computes the one-process reference in its own worker (8 devices, conft
 """
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -18,45 +14,17 @@ import numpy as np
 
 import configs
 import multihost_worker as worker
+from cluster import finish, launch
 import train
 from model.hf import open_checkpoint
 
-LAUNCHERS = re.compile(r"^(SLURM_|OMPI_|PMIX_|JAX_COORDINATOR|JAX_NUM_PROCESSES|JAX_PROCESS_ID)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(script: list[str], n: int, folder: Path, **env) -> list[subprocess.Popen]:
-    """n processes of `script`, an explicit launch on a free port, 4 CPU devices each; their
-    output goes to files (pipes could fill while the test computes)."""
-    base = {k: v for k, v in os.environ.items() if not LAUNCHERS.match(k)}
-    base.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_NUM_PROCESSES=str(n),
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", **env)
-    return [subprocess.Popen([sys.executable, *script], env={**base, "JAX_PROCESS_ID": str(i)},
-                             stdout=open(folder / f"out-{i}", "w"),
-                             stderr=open(folder / f"err-{i}", "w")) for i in range(n)]
-
-
-def finish(processes, folder: Path, timeout: float) -> list[tuple[int, str, str]]:
-    """(exit status, stdout, stderr) of each process; all killed past `timeout` seconds."""
-    try:
-        codes = [p.wait(timeout=timeout) for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    return [(code, (folder / f"out-{i}").read_text(), (folder / f"err-{i}").read_text())
-            for i, code in enumerate(codes)]
-
-
 def run_files(runs: Path) -> list[str]:
     """The files under a runs folder, time stamps taken out of the names (so a second writer
-    of the same file shows as a repeat)."""
+    of the same file shows as a repeat); of a profile, its traces (.xplane.pb) only: the
+    profiler's other files are its own business."""
     return sorted(re.sub(r"-\d{8}-\d{6}(-\d+)?|\d{4}(_\d\d){5}", "", str(p.relative_to(runs)))
-                  for p in runs.rglob("*") if p.is_file())
+                  for p in runs.rglob("*") if p.is_file()
+                  and ("profile" not in p.parts or p.name.endswith(".xplane.pb")))
 
 
 def losses(runs: Path, name: str) -> list[float]:
@@ -73,6 +41,14 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
     for argv in worker.RUNS.values():
         assert train.main([*argv, f"out_dir={reference}"]) == 0
     printed = capsys.readouterr().out
+    # The one-process runs are this suite's end-to-end DeepSeek run and profiled run too.
+    assert "671,026,419,200 parameters" in printed and "moe_layers" in printed
+    assert "experts split over 8 devices (blocks 1.25x the balanced share;" in printed
+    records = [json.loads(line) for line in next(reference.glob(
+        "deepseek671b-offload-*/metrics.jsonl")).read_text().splitlines()]
+    assert all(r["expert_load_max_over_mean"] >= 1 and 0 <= r["expert_dropped"] < 1
+               for r in records)
+    assert list(reference.glob("deepseek671b-offload-*/profile/**/*.xplane.pb"))
     (code0, out0, err0), (code1, out1, err1) = finish(processes, tmp_path, timeout=300)
     assert code0 == code1 == 0, err0 + err1
     found = [json.loads((results / f"process-{i}.json").read_text()) for i in range(2)]
@@ -88,11 +64,14 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
     # Only process 0 writes (run folders, comparison table, profile) and prints; process 1
     # prints nothing but gloo's own connection lines, and no process reports an error.
     assert run_files(runs) == run_files(reference)
-    assert {p.name for p in runs.glob("*/profile")} == {"profile"}
+    (trace,) = [p.relative_to(runs).parts for p in runs.rglob("*.xplane.pb")]
+    assert trace[0].startswith("deepseek671b-offload-proxy-") and trace[1] == "profile"
     assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
-    steps = re.findall(r"step \d/2  loss \S+", out0)
-    assert steps == re.findall(r"step \d/2  loss \S+", printed) and len(steps) == 4
-    assert "error" not in err0 + err1 and "Traceback" not in err0 + err1, err0 + err1
+    steps = [float(x) for x in re.findall(r"step \d/2  loss (\S+)", out0)]
+    np.testing.assert_allclose(steps, [float(x) for x in re.findall(
+        r"step \d/2  loss (\S+)", printed)], atol=1e-4)  # as printed: 4 decimals
+    assert len(steps) == 4
+    assert not re.search(r"^error|Traceback", err0 + err1, re.M), err0 + err1
     (table,) = runs.glob("multihost-llama-*/compare.csv")
     (expected_table,) = reference.glob("multihost-llama-*/compare.csv")
     assert [r.split(",")[:4] for r in table.read_text().splitlines()] == [
