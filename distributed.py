@@ -19,8 +19,10 @@ the only one there, else the one GPU of its local rank (JAX_LOCAL_DEVICE_IDS to 
 
 import contextlib
 import dataclasses
+import errno
 import os
 import re
+import socket
 import sys
 import tempfile
 import threading
@@ -81,12 +83,14 @@ def first_host(nodelist: str) -> str:
     return match.group(1) + (match.group(2) or "")
 
 
-def _local_ids(env, local_rank: str, shared: bool) -> tuple[int, ...] | None:
+def _local_ids(env, local_rank: str | None = None) -> tuple[int, ...] | None:
+    """JAX_LOCAL_DEVICE_IDS if set; else, for a process sharing its host, the GPU of its rank
+    there (the variable `local_rank`); else None: every device it sees."""
     if ids := env.get("JAX_LOCAL_DEVICE_IDS"):
         if not re.fullmatch(r"\d+(,\d+)*", ids):
             raise ConfigError(f"JAX_LOCAL_DEVICE_IDS={ids!r}: expected integers, comma-separated")
         return tuple(int(i) for i in ids.split(","))
-    return (_int(env, local_rank),) if shared else None
+    return None if local_rank is None else (_int(env, local_rank),)
 
 
 def _openmpi(env) -> Launch:
@@ -100,15 +104,15 @@ def _openmpi(env) -> Launch:
     job = int(uri.split(".")[0]) // 4096 if uri.split(".")[0].isdigit() else 0
     shared = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1") != "1"
     return Launch("openmpi", _address(env, host and (host[1] or host[2]), _job_port(job)),
-                  size, rank, _local_ids(env, "OMPI_COMM_WORLD_LOCAL_RANK", shared))
+                  size, rank, _local_ids(env, "OMPI_COMM_WORLD_LOCAL_RANK" if shared else None))
 
 
 def _slurm(env) -> Launch:
     tasks, task = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID")
-    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or str(tasks)
+    nodes = _int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else tasks
     host = first_host(env["SLURM_STEP_NODELIST"])
     return Launch("slurm", _address(env, host, _job_port(_int(env, "SLURM_JOB_ID"))), tasks,
-                  task, _local_ids(env, "SLURM_LOCALID", tasks > int(nodes)))
+                  task, _local_ids(env, "SLURM_LOCALID" if tasks > nodes else None))
 
 
 EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -120,7 +124,7 @@ def _explicit(env) -> Launch:
         raise ConfigError(f"{' and '.join(given)} set without {' and '.join(missing)}: an "
                           f"explicit multi-process launch sets all of {', '.join(EXPLICIT)}")
     return Launch("explicit", env["JAX_COORDINATOR_ADDRESS"], _int(env, "JAX_NUM_PROCESSES"),
-                  _int(env, "JAX_PROCESS_ID"), _local_ids(env, "", False))
+                  _int(env, "JAX_PROCESS_ID"), _local_ids(env))
 
 
 def detect(env=os.environ) -> Launch | None:
@@ -146,6 +150,25 @@ def _timeout(env) -> int:
     if seconds < 1:
         raise ConfigError(f"{TIMEOUT_VARIABLE}={seconds}: expected at least 1 second")
     return seconds
+
+
+def _port_taken(coordinator: str) -> bool:
+    """Whether another program listens on the coordinator's port here, on any address (JAX
+    binds [::]:port). XLA's service (jaxlib 0.10.2) then sometimes crashes instead of
+    raising; gRPC reuses addresses, so a closed socket's TIME_WAIT is not taken."""
+    port = int(coordinator.rsplit(":", 1)[1])
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                probe.bind((host, port))
+                return False
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+    return False  # no address family to probe with: let JAX find out
 
 
 @contextlib.contextmanager
@@ -185,6 +208,10 @@ def initialize(env=os.environ) -> Launch | None:
     if launch is None or jax.distributed.is_initialized():
         return launch
     seconds = _timeout(env)
+    if (launch.process_id == 0 and not env.get("JAX_COORDINATOR_BIND_ADDRESS")
+            and _port_taken(launch.coordinator)):
+        raise ConfigError(f"{launch.describe()}: the coordinator's port is taken on this host "
+                          "(another job's coordinator?): choose another")
     if not backend.has_gpu() or env.get("JAX_PLATFORMS", "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     local = None if launch.local_device_ids is None else list(launch.local_device_ids)

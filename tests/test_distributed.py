@@ -136,7 +136,7 @@ def test_a_missing_process_or_a_taken_port_ends_in_one_line(tmp_path):
     assert [e.count("\n") for e in errors] == [1, 1], errors
     assert re.fullmatch(r"error: process 0 of 2 \(explicit launch, coordinator 127\.0\.0\.1:\d+"
                         r"\): the processes did not all join within 3 s .*\n", errors[0])
-    assert "Failed to start RPC server (is the coordinator's port taken?)" in errors[1]
+    assert "the coordinator's port is taken on this host" in errors[1]
     assert not (tmp_path / "runs").exists()
 
 
