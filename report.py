@@ -179,6 +179,7 @@ class RunLog:
         self._say("=" * 100)
 
     def maybe_start_profile(self, step: int) -> None:
+        """A trace of steps 2-4 in the run folder: process 0's, of its own devices."""
         if self.main and self.profile_steps and step == self.profile_steps[0]:
             jax.profiler.start_trace(str(self.dir / "profile"))
 

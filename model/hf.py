@@ -98,8 +98,8 @@ class Source:
     `names` holds the HF tensor of each stacked entry (layers, then experts): its shape leads
     `shape`. `n_in` None: a tensor is ours as stored. Else it is [*batch, out, in] (`batch`
     leading axes: a fused expert axis), HF's linear layout, and becomes ours transposed,
-    [*batch, *ins, *outs]: its in axis split into our next `n_in` axes, its out axis, from
-    row `first_row` (of `rows`), into the rest (heads split out)."""
+    [*batch, *ins, *outs]: its in axis split into our next `n_in` axes, its out axis (from
+    row `first_row`: the up half of a fused gate and up) into the rest (heads split out)."""
     names: np.ndarray
     shape: tuple[int, ...]
     n_in: int | None = None

@@ -6,8 +6,9 @@ launch variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
 Through the trainer's own entry (`train.main`, which joins the cluster): RUNS (a one-row Llama
 comparison and a profiled DeepSeek run with expert parallelism, both from the Hugging Face
 fixtures). Then the fixtures imported sharded as a run shards them (FSDP for Llama, experts
-split for DeepSeek): their logits (process 0) and, per process, the bytes read and the bytes
-its devices hold, from JAX's own map of them. One launch for all: each start costs seconds.
+split for DeepSeek): gathered whole and their logits (saved by process 0) and, per process,
+the bytes read and the bytes its devices hold, from JAX's own map of them. One launch for
+all: each start costs seconds.
 """
 
 import json
@@ -18,9 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import backend  # noqa: E402,F401  (before JAX)
 import jax  # noqa: E402
-
-jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py, which the
-jax.config.update("jax_default_matmul_precision", "highest")  # reference runs under
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
@@ -32,6 +30,9 @@ import training  # noqa: E402
 from model import common  # noqa: E402
 from model.config import DeepSeekConfig  # noqa: E402
 from model.hf import open_checkpoint  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py, which the
+jax.config.update("jax_default_matmul_precision", "highest")  # reference runs under
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 COMMON = ["steps=2", "seq=32", "quant=none"]

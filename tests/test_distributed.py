@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 from jax._src import clusters  # JAX's own detection: the reference for ours
 
@@ -81,6 +82,22 @@ def test_each_launcher_and_its_overrides():
               # a batch script's own command (no job step): the plan before its srun
               {k: v for k, v in SLURM_STEP.items() if not k.startswith("SLURM_STEP")}]
     assert [distributed.detect(env) for env in single] == [None] * 4
+
+
+def test_a_launch_becomes_initialize_arguments_with_bounded_waits(monkeypatch):
+    """No real initialize: what distributed.initialize hands JAX (and the CPU's collectives)."""
+    calls, updates = [], []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+    env = {**SLURM_STEP, "SLURM_NTASKS": "128", "SLURM_PROCID": "6", "SLURM_LOCALID": "2",
+           distributed.TIMEOUT_VARIABLE: "7"}
+    assert distributed.initialize(env) == distributed.detect(env)
+    assert calls == [(("gpu-007:62016", 128, 6, [2]), {
+        "cluster_detection_method": "deactivate", "initialization_timeout": 37,
+        "shutdown_timeout_seconds": 7})]
+    assert updates == [("jax_cpu_collectives_implementation", "gloo")]  # no GPU here
+    assert distributed.initialize({}) is None and len(calls) == 1
 
 
 MISTAKES = {

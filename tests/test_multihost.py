@@ -18,6 +18,7 @@ from cluster import finish, launch
 import train
 from model.hf import open_checkpoint
 
+
 def run_files(runs: Path) -> list[str]:
     """The files under a runs folder, time stamps taken out of the names (so a second writer
     of the same file shows as a repeat); of a profile, its traces (.xplane.pb) only: the
