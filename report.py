@@ -213,7 +213,8 @@ class RunLog:
                   f"{self.setup.experiment.name} resume={resume}")
 
     def maybe_start_profile(self, step: int) -> None:
-        if self.profile_steps and step == self.profile_steps[0]:
+        """A trace of steps 2-4 in the run folder: process 0's, of its own devices."""
+        if self.main and self.profile_steps and step == self.profile_steps[0]:
             jax.profiler.start_trace(str(self.dir / "profile"))
 
     def step_done(self, step: int, metrics) -> bool:
@@ -223,7 +224,7 @@ class RunLog:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         self.times.append(seconds)
-        if self.profile_steps and step == self.profile_steps[1]:
+        if self.main and self.profile_steps and step == self.profile_steps[1]:
             jax.profiler.stop_trace()
             self._say(f"profile: {self.dir / 'profile'} (open in Perfetto or TensorBoard)")
         if not math.isfinite(loss):
@@ -281,7 +282,9 @@ class RunLog:
 
 def comparison(name: str, rows: list) -> None:
     """One table for a comparison's runs (shaped like the study's), printed and written as
-    markdown and CSV beside the runs."""
+    markdown and CSV beside the runs, by process 0 only."""
+    if jax.process_index() != 0:
+        return
     header = ["row", "policy", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
               "peak device GiB", "host offload GiB (planned)"]
     table = []

@@ -19,7 +19,6 @@ GPUs) -> sharded init -> loop -> report.
 import backend  # first: it settles the platform and GPU memory before JAX starts
 
 import dataclasses
-import os
 import signal
 import sys
 import time
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 
 import checkpoints
 import configs
+import distributed
 import placement_search
 import plan
 import report
@@ -38,7 +38,7 @@ from configs.gpus import GPUS
 from data import DataError, token_source
 from model import common
 from model.checkpoint import CheckpointError
-from model.hf import load_checkpoint
+from model.hf import Checkpoint, open_checkpoint
 from offload import memory, policies
 
 
@@ -52,16 +52,8 @@ class Setup:
     run: configs.RunConfig
     tables: dict | None  # scan -> placement table; None when checkpointing is off
     data: object
-    hf_params: dict | None
+    hf_params: Checkpoint | None  # init_from, not read yet: each process reads its share
     resume: checkpoints.Source | None = None  # the checkpoint this run continues from
-
-
-def maybe_initialize_distributed() -> None:
-    """Multi-host runs (SLURM, Open MPI, or an explicit coordinator) join one JAX cluster."""
-    env = os.environ
-    if (env.get("JAX_COORDINATOR_ADDRESS") or int(env.get("SLURM_NTASKS", "1")) > 1
-            or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1):
-        jax.distributed.initialize()
 
 
 def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str,
@@ -108,7 +100,7 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
         if any(k.startswith("model.") for k in overrides):
             raise ConfigError("model.* overrides conflict with init_from (the checkpoint's "
                               "config.json defines the model)")
-        model, hf_params = load_checkpoint(run.init_from)
+        model, hf_params = open_checkpoint(run.init_from)
         if type(model) is not type(experiment.model):
             raise ConfigError(f"init_from={run.init_from}: a {type(model).__name__} checkpoint, "
                               f"but {experiment.name} trains a {type(experiment.model).__name__}")
@@ -145,8 +137,7 @@ def init_state(setup: Setup, rules: common.AxisRules, optimizer):
     if setup.hf_params is None:
         params = common.init_params(specs, rules, jax.random.key(setup.run.seed), dtype)
     else:
-        params = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), setup.hf_params),
-                                shardings["params"])
+        params = setup.hf_params.arrays(shardings["params"], dtype)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
     return {"params": params, "opt_state": opt_state,
             "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
@@ -366,7 +357,7 @@ def main(argv: list[str]) -> int:
         return 0
     name, args = argv[0], [a for a in argv[1:] if a not in ("--plan", "--compile", "--search")]
     try:
-        maybe_initialize_distributed()
+        distributed.initialize()  # before the backend starts: multi-host runs join here
         target = backend.this_machine()  # starts JAX's backend (quietly; see backend.py)
         if name == "export":
             export(argv[1:])

@@ -1,7 +1,10 @@
-"""Read a safetensors checkpoint directory (one file or a sharded index) into numpy arrays.
+"""Read a safetensors checkpoint directory (one file or a sharded index) a slice at a time.
 
-Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn with a `weight_scale_inv` per
-128x128 block) are dequantized on read, so converters only ever see float arrays.
+safetensors reads a slice of a tensor without loading its file, so each process of a
+multi-host run reads about its own share of a model (a 405B or 671B import would not fit one
+host's memory whole). Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn with a
+`weight_scale_inv` per 128x128 block) are dequantized on read, so converters only ever see
+float arrays.
 """
 
 import json
@@ -12,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 FP8_BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"
 
 
 class CheckpointError(ValueError):
@@ -40,56 +44,82 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return [single]
 
 
-def _read_file(file: Path) -> dict[str, np.ndarray]:
-    tensors, fp8 = {}, []
-    with safe_open(file, framework="numpy") as f:
-        for name in f.keys():
-            try:
-                tensors[name] = f.get_tensor(name)
-            except AttributeError:  # safetensors 0.8 has no numpy FP8 dtype
-                fp8.append(name)
-    return {**tensors, **_read_fp8(file, fp8)} if fp8 else tensors
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="numpy")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file (named by the index)") from None
+    except Exception as e:  # safetensors raises its own types for truncated/corrupt files
+        raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
 
 
-def _read_fp8(file: Path, names: list[str]) -> dict[str, np.ndarray]:
-    """FP8 E4M3 tensors straight from the file's layout (8-byte header size, JSON header,
-    data), viewed with ml_dtypes' float8_e4m3fn."""
-    data = np.memmap(file, dtype=np.uint8, mode="r")
-    header_size = int(data[:8].view("<u8")[0])
-    header = json.loads(bytes(data[8:8 + header_size]))
-    found = {}
-    for name in names:
-        entry = header[name]
-        if entry["dtype"] != "F8_E4M3":
-            raise CheckpointError(f"{file}: {name} has dtype {entry['dtype']}, not readable")
-        begin, end = (8 + header_size + offset for offset in entry["data_offsets"])
-        found[name] = np.array(data[begin:end]).view(ml_dtypes.float8_e4m3fn).reshape(
-            entry["shape"])
-    return found
-
-
-def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
-    """weight [out, in] in FP8 times its per-block scale [ceil(out/128), ceil(in/128)]."""
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, origin=(0, 0)) -> np.ndarray:
+    """weight [out, in] in FP8 times its per-block scales. `weight` may be a slice of a
+    tensor starting at row and column `origin`; `scale_inv` then holds the blocks from
+    (origin // 128) on, [ceil(out/128), ceil(in/128)] for a whole tensor."""
     rows, cols = weight.shape
+    top, left = origin[0] % FP8_BLOCK, origin[1] % FP8_BLOCK
     scale = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)
-    return weight.astype(np.float32) * scale[:rows, :cols]
+    return weight.astype(np.float32) * scale[top:top + rows, left:left + cols]
 
 
-def read_tensors(directory: Path) -> dict[str, np.ndarray]:
-    tensors = {}
-    for file in _safetensors_files(directory):
-        try:
-            tensors.update(_read_file(file))
-        except FileNotFoundError:
-            raise CheckpointError(f"{file}: no such file (named by the index)") from None
-        except Exception as e:  # safetensors raises its own types for truncated/corrupt files
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
-        weight = name.removesuffix("_scale_inv")
-        if weight not in tensors:
-            raise CheckpointError(f"{name} scales a tensor the checkpoint does not have")
-        tensors[weight] = dequantize_fp8(tensors[weight], tensors.pop(name))
-    return tensors
+class Reader:
+    """The tensors of a checkpoint directory by name, read as float32 slices on demand;
+    `bytes_read` counts the bytes taken from the files (in their stored dtypes)."""
+
+    def __init__(self, directory: Path):
+        self.files, self.shapes, self.dtypes = {}, {}, {}
+        for file in _safetensors_files(directory):
+            handle = _open(file)
+            for name in handle.keys():
+                info = handle.get_slice(name)
+                self.files[name] = (file, handle)
+                self.shapes[name] = tuple(info.get_shape())
+                self.dtypes[name] = info.get_dtype()
+                if self.dtypes[name].startswith("F8") and self.dtypes[name] != "F8_E4M3":
+                    raise CheckpointError(f"{file}: {name} has dtype {self.dtypes[name]}, "
+                                          "not readable")
+        for name in [n for n in self.files if n.endswith(SCALE_SUFFIX)]:
+            if name.removesuffix(SCALE_SUFFIX) not in self.files:
+                raise CheckpointError(f"{name} scales a tensor the checkpoint does not have")
+        self.headers = {}  # file -> (its bytes mapped, where data starts, header): FP8 only
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files and not name.endswith(SCALE_SUFFIX)
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """tensor[index] as float32; `index` is one slice per axis (unit steps), or () for
+        the whole tensor."""
+        shape = self.shapes[name]
+        index = tuple(slice(*s.indices(n)[:2])
+                      for s, n in zip(index or [slice(None)] * len(shape), shape))
+        raw = self._raw(name, index)
+        self.bytes_read += raw.nbytes
+        if name + SCALE_SUFFIX not in self.files:
+            return np.asarray(raw, np.float32)
+        rows, cols = index
+        blocks = tuple(slice(s.start // FP8_BLOCK, -(-s.stop // FP8_BLOCK)) for s in index)
+        scale = self._raw(name + SCALE_SUFFIX, blocks)
+        self.bytes_read += scale.nbytes
+        return dequantize_fp8(raw, scale, (rows.start, cols.start))
+
+    def _raw(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        file, handle = self.files[name]
+        if self.dtypes[name] != "F8_E4M3":
+            return handle.get_slice(name)[index]
+        return self._fp8(file, name)[index]
+
+    def _fp8(self, file: Path, name: str) -> np.ndarray:
+        """An FP8 E4M3 tensor (safetensors 0.8 has no numpy FP8 dtype) mapped straight from
+        the file's layout (8-byte header size, JSON header, data): indexing reads its slice."""
+        if file not in self.headers:
+            data = np.memmap(file, dtype=np.uint8, mode="r")
+            size = int(data[:8].view("<u8")[0])
+            self.headers[file] = (data, 8 + size, json.loads(bytes(data[8:8 + size])))
+        data, start, header = self.headers[file]
+        begin, end = (start + offset for offset in header[name]["data_offsets"])
+        return data[begin:end].view(ml_dtypes.float8_e4m3fn).reshape(self.shapes[name])
 
 
 def check_shapes(params: dict, specs: dict) -> None:

@@ -92,12 +92,6 @@ def test_a_diverging_run_stops_and_names_the_step(tmp_path, capsys):
     assert "at step" in err and "stopping" in err
 
 
-def test_profile_writes_a_trace(tmp_path, capsys):
-    code, out, err = run_cli(["llama405b-offload", *SMALL, "profile=true"], tmp_path, capsys)
-    assert code == 0, err
-    assert list(tmp_path.glob("*/profile/**/*.xplane.pb"))
-
-
 def _corrupt_checkpoint(tmp_path: Path) -> str:
     directory = tmp_path / "ckpt"
     directory.mkdir()

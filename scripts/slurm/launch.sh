@@ -1,0 +1,29 @@
+#!/bin/bash
+# What both batch scripts run: the XLA memory settings a GPU run needs, then one train.py per
+# SLURM task (srun), the tasks joining as one JAX cluster (distributed.py reads SLURM_*).
+# The experiment brings its own XLA flags; this sets what lies outside a compiled program.
+#
+#   scripts/slurm/launch.sh GPUS_PER_TASK EXPERIMENT [key=value ...]
+set -euo pipefail
+gpus_per_task=$1
+shift
+python=${PYTHON:-.venv/bin/python}
+
+# XLA's memory pool takes this share of each GPU; the plan and the run header measure against it.
+export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.95}
+
+# XLA's pinned-host pool (64 GiB per process by default) must hold the offloaded activations
+# of all the process's GPUs: the plan's per-GPU figure (printed without a GPU, on this batch
+# host's CPU) x GPUs per task, +10%, never below the default.
+if [[ -z ${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-} ]]; then
+    pool=$(JAX_PLATFORMS=cpu "$python" train.py "$@" --plan | awk -v n="$gpus_per_task" '
+        /^host \(pinned\)/ { gib = $3; if ($4 == "MiB") gib /= 1024; if ($4 == "KiB") gib = 0 }
+        END { need = gib * n * 1.1; if (need > int(need)) need = int(need) + 1
+              if (need < 64) need = 64; print need }')
+    export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$pool
+fi
+echo "launch: XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION" \
+     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+# A task that fails ends the job: the others would wait for it in their next collective.
+exec srun --kill-on-bad-exit=1 "$python" train.py "$@"

@@ -1,0 +1,110 @@
+"""One process of tests/test_multihost.py's two-process cluster, started with the explicit
+launch variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+
+    python tests/multihost_worker.py RESULTS_DIR RUNS_DIR
+
+Through the trainer's own entry (`train.main`, which joins the cluster): RUNS (a one-row Llama
+comparison and a profiled DeepSeek run with expert parallelism, both from the Hugging Face
+fixtures). Then the fixtures imported sharded as a run shards them (FSDP for Llama, experts
+split for DeepSeek): gathered whole and their logits (saved by process 0) and, per process,
+the bytes read and the bytes its devices hold, from JAX's own map of them. One launch for
+all: each start costs seconds.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import backend  # noqa: E402,F401  (before JAX)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import configs  # noqa: E402
+import train  # noqa: E402
+import training  # noqa: E402
+from model import common  # noqa: E402
+from model.config import DeepSeekConfig  # noqa: E402
+from model.hf import open_checkpoint  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py, which the
+jax.config.update("jax_default_matmul_precision", "highest")  # reference runs under
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+COMMON = ["steps=2", "seq=32", "quant=none"]
+# (argv without out_dir); the comparison is registered by both this worker and the test.
+RUNS = {
+    "llama": ["multihost-llama", f"init_from={FIXTURES / 'llama_gqa'}", *COMMON],
+    "deepseek": ["deepseek671b-offload", f"init_from={FIXTURES / 'deepseek_yarn'}",
+                 "expert_parallel=true", "profile=true", *COMMON],
+}
+COMPARISON = ("multihost-llama", ("llama405b-offload",))
+IMPORTS = {"llama_gqa": False, "deepseek_yarn": True}  # fixture -> expert parallelism
+
+
+def shardings(cfg, expert_parallel: bool, mesh):
+    """The parameters' shardings as a run makes them (FSDP, experts split or not)."""
+    rules = training.axis_rules(configs.RunConfig(expert_parallel=expert_parallel), mesh)
+    return common.param_shardings(training.family(cfg).param_specs(cfg), rules)
+
+
+def sharded_import(fixture: str, expert_parallel: bool, mesh) -> dict:
+    """The fixture imported as a run imports it: its parameters gathered whole, the logits of
+    expected.npz's tokens, the bytes read and the bytes this process's devices hold."""
+    cfg, checkpoint = open_checkpoint(FIXTURES / fixture)
+    params = checkpoint.arrays(shardings(cfg, expert_parallel, mesh), jnp.float32)
+    held = 0
+    for array in jax.tree.leaves(params):
+        boxes = {tuple(s.indices(n)[:2] for s, n in zip(index, array.shape))
+                 for index in array.sharding.addressable_devices_indices_map(array.shape).values()}
+        held += sum(int(np.prod([b - a for a, b in box])) for box in boxes) * 4  # f32 files
+    logits = logits_fn(cfg, mesh)(params, tokens(fixture))
+    return {"params": flat(multihost_utils.process_allgather(params, tiled=True)),
+            "logits": np.asarray(logits.addressable_data(0)),
+            "bytes_read": checkpoint.reader.bytes_read, "held": held}
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def tokens(fixture: str) -> np.ndarray:
+    return np.load(FIXTURES / fixture / "expected.npz")["tokens"]
+
+
+def logits_fn(cfg, mesh):
+    """The model's logits, jitted, replicated on `mesh` (every expert on every token for
+    DeepSeek: plain XLA, partitioned as the parameters are)."""
+    options = {"expert_path": "dense"} if isinstance(cfg, DeepSeekConfig) else {}
+    forward = training.family(cfg).forward
+    return jax.jit(lambda p, t: forward(p, t, cfg, dtype=jnp.float32, **options)[0],
+                   out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def make_mesh():
+    return common.make_mesh((1, jax.device_count()), ("data", "fsdp"))
+
+
+def main(results: Path, runs: Path) -> int:
+    configs.COMPARISONS[COMPARISON[0]] = COMPARISON[1]
+    codes = {name: train.main([*argv, f"out_dir={runs}"]) for name, argv in RUNS.items()}
+    mesh = make_mesh()
+    found = {"codes": codes, "process": jax.process_index()}
+    for fixture, expert_parallel in IMPORTS.items():
+        imported = sharded_import(fixture, expert_parallel, mesh)
+        for key in ("bytes_read", "held"):
+            found.setdefault(key, {})[fixture] = imported[key]
+        if jax.process_index() == 0:
+            np.save(results / f"{fixture}-logits.npy", imported["logits"])
+            np.savez(results / f"{fixture}-params.npz", **imported["params"])
+    (results / f"process-{jax.process_index()}.json").write_text(json.dumps(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))
