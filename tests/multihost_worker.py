@@ -1,14 +1,15 @@
 """One process of tests/test_multihost.py's two-process cluster, started with the explicit
 launch variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
 
-    python tests/multihost_worker.py RESULTS_DIR RUNS_DIR
+    python tests/multihost_worker.py RESULTS_DIR RUNS_DIR ONE_PROCESS_CHECKPOINT
 
 Through the trainer's own entry (`train.main`, which joins the cluster): RUNS (a one-row Llama
-comparison and a profiled DeepSeek run with expert parallelism, both from the Hugging Face
-fixtures). Then the fixtures imported sharded as a run shards them (FSDP for Llama, experts
-split for DeepSeek): gathered whole and their logits (saved by process 0) and, per process,
-the bytes read and the bytes its devices hold, from JAX's own map of them. One launch for
-all: each start costs seconds.
+comparison and a profiled DeepSeek run with expert parallelism and a final checkpoint, both
+from the Hugging Face fixtures). Then the fixtures imported sharded as a run shards them (FSDP
+for Llama, experts split for DeepSeek): gathered whole and their logits (saved by process 0)
+and, per process, the bytes read and the bytes its devices hold, from JAX's own map of them.
+Last, two checkpoints restored onto the two processes and gathered: the one they saved, and
+one a single process saved. One launch for all: each start costs seconds.
 """
 
 import json
@@ -17,13 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backend  # noqa: E402,F401  (before JAX)
+import backend  # noqa: E402  (before JAX)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+import checkpoints  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
 import training  # noqa: E402
@@ -40,7 +42,7 @@ COMMON = ["steps=2", "seq=32", "quant=none"]
 RUNS = {
     "llama": ["multihost-llama", f"init_from={FIXTURES / 'llama_gqa'}", *COMMON],
     "deepseek": ["deepseek671b-offload", f"init_from={FIXTURES / 'deepseek_yarn'}",
-                 "expert_parallel=true", "profile=true", *COMMON],
+                 "expert_parallel=true", "profile=true", "checkpoint_every=2", *COMMON],
 }
 COMPARISON = ("multihost-llama", ("llama405b-offload",))
 IMPORTS = {"llama_gqa": False, "deepseek_yarn": True}  # fixture -> expert parallelism
@@ -86,11 +88,22 @@ def logits_fn(cfg, mesh):
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
+    """The parameters of a checkpoint of RUNS["deepseek"], restored onto this cluster's
+    devices as a resumed run places them, then gathered whole."""
+    argv = RUNS["deepseek"]
+    setup = train.resolve(argv[0], argv[1:], jax.devices())
+    rules, optimizer = train.layout(setup, backend.this_machine())
+    abstract = training.abstract_state(setup.model, setup.run, rules, optimizer)
+    state, _ = checkpoints.restore(checkpoints.find(str(checkpoint), "", ""), abstract)
+    return flat(multihost_utils.process_allgather(state["params"], tiled=True))
+
+
 def make_mesh():
     return common.make_mesh((1, jax.device_count()), ("data", "fsdp"))
 
 
-def main(results: Path, runs: Path) -> int:
+def main(results: Path, runs: Path, one_process_checkpoint: Path) -> int:
     configs.COMPARISONS[COMPARISON[0]] = COMPARISON[1]
     codes = {name: train.main([*argv, f"out_dir={runs}"]) for name, argv in RUNS.items()}
     mesh = make_mesh()
@@ -102,9 +115,14 @@ def main(results: Path, runs: Path) -> int:
         if jax.process_index() == 0:
             np.save(results / f"{fixture}-logits.npy", imported["logits"])
             np.savez(results / f"{fixture}-params.npz", **imported["params"])
+    (ours,) = runs.glob("deepseek671b-offload-*")
+    for name, checkpoint in (("two", ours), ("one", one_process_checkpoint)):
+        params = restored_params(checkpoint)
+        if jax.process_index() == 0:
+            np.savez(results / f"restored-from-{name}.npz", **params)
     (results / f"process-{jax.process_index()}.json").write_text(json.dumps(found))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))
+    sys.exit(main(*map(Path, sys.argv[1:4])))

@@ -12,20 +12,36 @@ from pathlib import Path
 import jax
 import numpy as np
 
+import backend
+import checkpoints
 import configs
 import multihost_worker as worker
 from cluster import finish, launch
 import train
+import training
 from model.hf import open_checkpoint
 
 
 def run_files(runs: Path) -> list[str]:
     """The files under a runs folder, time stamps taken out of the names (so a second writer
     of the same file shows as a repeat); of a profile, its traces (.xplane.pb) only: the
-    profiler's other files are its own business."""
+    profiler's other files are its own business; checkpoints are Orbax's (a folder of shards
+    per process)."""
     return sorted(re.sub(r"-\d{8}-\d{6}(-\d+)?|\d{4}(_\d\d){5}", "", str(p.relative_to(runs)))
-                  for p in runs.rglob("*") if p.is_file()
+                  for p in runs.rglob("*") if p.is_file() and "checkpoints" not in p.parts
                   and ("profile" not in p.parts or p.name.endswith(".xplane.pb")))
+
+
+def one_process_checkpoint(folder: Path) -> dict:
+    """A step-0 checkpoint of the worker's DeepSeek run saved by this one process (8 devices);
+    its parameters."""
+    argv = worker.RUNS["deepseek"]
+    setup = train.resolve(argv[0], argv[1:], jax.devices())
+    state, _ = train.start_state(setup, backend.this_machine())
+    saver = checkpoints.Saver(folder, keep=1, every=1)
+    saver.save(0, state, checkpoints.run_meta(0, setup, setup.run.batch(jax.device_count())))
+    saver.close()
+    return worker.flat(state["params"])
 
 
 def losses(runs: Path, name: str) -> list[float]:
@@ -36,8 +52,9 @@ def losses(runs: Path, name: str) -> list[float]:
 def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkeypatch, capsys):
     results, runs, reference = (tmp_path / name for name in ("results", "runs", "reference"))
     results.mkdir()
-    processes = launch(["tests/multihost_worker.py", str(results), str(runs)], 2, tmp_path,
-                       DISTRIBUTED_TIMEOUT_S="120")
+    saved_here = one_process_checkpoint(tmp_path / "one-process")
+    processes = launch(["tests/multihost_worker.py", str(results), str(runs),
+                        str(tmp_path / "one-process")], 2, tmp_path, DISTRIBUTED_TIMEOUT_S="120")
     monkeypatch.setitem(configs.COMPARISONS, *worker.COMPARISON)
     for argv in worker.RUNS.values():
         assert train.main([*argv, f"out_dir={reference}"]) == 0
@@ -96,3 +113,23 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
         logits = worker.logits_fn(cfg, mesh)(params, worker.tokens(fixture))
         np.testing.assert_allclose(np.load(results / f"{fixture}-logits.npy"), logits, rtol=0,
                                    atol=1e-5 * np.abs(logits).max(), err_msg=fixture)
+
+    # Checkpoints cross process counts: saved by one process, restored onto two; saved by two
+    # (each its own shards), restored onto one; bit for bit.
+    for name, want in (("one", saved_here), ("two", None)):
+        got = dict(np.load(results / f"restored-from-{name}.npz"))
+        if want is None:
+            (run_dir,) = runs.glob("deepseek671b-offload-*")
+            assert {p.name for p in (run_dir / "checkpoints" / "2" / "params").glob(
+                "ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
+            setup = train.resolve(worker.RUNS["deepseek"][0], worker.RUNS["deepseek"][1:],
+                                  jax.devices())
+            rules, optimizer = train.layout(setup, backend.this_machine())
+            state, meta = checkpoints.restore(checkpoints.find(str(run_dir), "", ""),
+                                              training.abstract_state(setup.model, setup.run,
+                                                                      rules, optimizer))
+            assert meta["step"] == 2
+            want = worker.flat(state["params"])
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
