@@ -48,6 +48,9 @@ IN_HOST_MEMORY = {
     "deepseek671b-remat": set(), "deepseek671b-offload-nolhs": DEEPSEEK,
     "deepseek671b-offload": DEEPSEEK, "deepseek671b-device": set(),
     "deepseek671b-device-mb8": set(),
+    # The placement search's best (README), pinned from its `run it:` line:
+    "llama405b-searched": {("layers", t) for t in ("key_proj", "value_proj", "mlpwi_0",
+                                                   "mlpwi_1")},
 }
 
 
