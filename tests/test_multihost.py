@@ -22,6 +22,10 @@ import training
 from model.hf import open_checkpoint
 
 
+# "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+GLOO_WORDS = "Gloo Rank is connected to peer ranks Expected number of"
+
+
 def run_files(runs: Path) -> list[str]:
     """The files under a runs folder, time stamps taken out of the names (so a second writer
     of the same file shows as a repeat); of a profile, its traces (.xplane.pb) only: the
@@ -84,7 +88,8 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
     assert run_files(runs) == run_files(reference)
     (trace,) = [p.relative_to(runs).parts for p in runs.rglob("*.xplane.pb")]
     assert trace[0].startswith("deepseek671b-offload-proxy-") and trace[1] == "profile"
-    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
+    # (gloo's threads write their lines unsynchronized, so they can interleave: word by word)
+    assert set(re.findall(r"[A-Za-z]+", out1)) <= set(GLOO_WORDS.split()), out1
     steps = [float(x) for x in re.findall(r"step \d/2  loss (\S+)", out0)]
     np.testing.assert_allclose(steps, [float(x) for x in re.findall(
         r"step \d/2  loss (\S+)", printed)], atol=1e-4)  # as printed: 4 decimals
