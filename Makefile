@@ -10,13 +10,14 @@ COMPILE_READY := $(VENV)/.gpu-compile-ready
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
+	@echo "make llama405b-offload ARGS=resume=latest     continue its newest checkpointed run"
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
 	@echo "make compile-llama405b-offload               its full-scale step compiled for its GPUs (no GPU needed)"
 	@echo "make search-llama405b-offload [ARGS=device=h200]  placements ranked by predicted memory and step time"
 	@echo "make llama405b-compare                       the study's four Llama rows, one table"
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite (8 fake CPU devices, GPU programs compiled without a GPU)"
-	@echo "make bench    proxy step time and model-FLOP rate vs a same-run matmul ceiling"
+	@echo "make bench    proxy step time, FLOP rate vs a matmul ceiling; search and checkpoint costs"
 	@echo "make install  create $(VENV) with the pinned dependencies"
 
 $(READY): pyproject.toml
