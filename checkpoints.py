@@ -11,6 +11,8 @@ step that could be picked.
 
 import dataclasses
 import json
+import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -48,6 +50,9 @@ def _plain(value) -> object:
                                  else value, default=str))
 
 
+_META_KEYS = {"step", "global_batch", "model", "run", "hf_config"}
+
+
 def run_meta(step: int, setup, batch_size: int) -> dict:
     return {"step": step, "experiment": setup.experiment.name, "scale": setup.scale,
             "global_batch": batch_size, "model": _plain(setup.model), "run": _plain(setup.run),
@@ -79,11 +84,16 @@ class Source:
     named_step: bool
 
     def meta(self, step: int) -> dict:
+        where = self.directory / str(step)
         try:
-            return _read(self.directory / str(step), meta=ocp.args.JsonRestore())["meta"]
+            meta = _read(where, meta=ocp.args.JsonRestore())["meta"]
         except Exception as e:
-            raise CheckpointNotFound(f"checkpoint {self.directory / str(step)}: its settings do "
-                                     f"not read back ({str(e).splitlines()[0][:200]})") from None
+            raise CheckpointNotFound(f"checkpoint {where}: its settings do not read back "
+                                     f"({str(e).splitlines()[0][:200]})") from None
+        if not isinstance(meta, dict) or (missing := _META_KEYS - meta.keys()):
+            raise CheckpointNotFound(f"checkpoint {where}: not one of this trainer's (its "
+                                     f"settings lack {sorted(missing or _META_KEYS)[0]!r})")
+        return meta
 
 
 def _complete_steps(directory: Path) -> list[int]:
@@ -92,12 +102,18 @@ def _complete_steps(directory: Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory), reverse=True)
 
 
+def _run_order(run_dir: Path) -> tuple[str, int]:
+    """A run folder's place in time: its stamp, then its same-second number (`-2` < `-10`)."""
+    stamp = re.search(r"(\d{8}-\d{6})(?:-(\d+))?$", run_dir.name)
+    return (stamp[1], int(stamp[2] or 0)) if stamp else ("", 0)
+
+
 def find(target: str, out_dir: str, run_prefix: str) -> Source:
     """The checkpoint `resume=target` names: `latest` (the newest run folder `run_prefix-*`
     under `out_dir` with a complete checkpoint), a run folder, a checkpoint directory, or one
     step folder of it."""
     if target == "latest":
-        runs = sorted(Path(out_dir).glob(f"{run_prefix}-*"), reverse=True)
+        runs = sorted(Path(out_dir).glob(f"{run_prefix}-*"), key=_run_order, reverse=True)
         for run_dir in runs:
             if steps := _complete_steps(run_dir / "checkpoints"):
                 return Source(run_dir / "checkpoints", tuple(steps), False)
@@ -127,6 +143,8 @@ def check_outputs(setup, batch_size: int) -> Source | None:
         existing = next(p for p in (path, *path.parents) if p.exists())
         if getattr(run, key) and not existing.is_dir():
             raise ConfigError(f"{key}={getattr(run, key)}: {existing} is a file, not a folder")
+        if getattr(run, key) and not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={getattr(run, key)}: {existing} is not writable")
     if run.checkpoint_dir and any(Path(run.checkpoint_dir).glob("*")):
         raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
                           f"{run.checkpoint_dir} continues from it; a new run needs a new folder")
@@ -143,20 +161,29 @@ def check_outputs(setup, batch_size: int) -> Source | None:
     return None
 
 
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process (each may read its own shards only)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
 def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
     """(state, meta) of the newest step of `source` that reads back, resharded onto the
     shardings of `abstract_state`. A step named explicitly that does not read is an error; when
     searching, an unreadable step is reported and the one before it is tried."""
     optimizer = {"opt_state": abstract_state["opt_state"], "step": abstract_state["step"]}
     for step in source.steps:
+        got, problem = None, "another process could not read its shards"
         try:
             got = _read(source.directory / str(step),
                         params=ocp.args.StandardRestore(abstract_state["params"]),
                         optimizer=ocp.args.StandardRestore(optimizer),
                         meta=ocp.args.JsonRestore())
         except Exception as e:  # Orbax and TensorStore raise many types for damaged files
-            problem = f"checkpoint {source.directory / str(step)} does not read back: " + \
-                f"{str(e).splitlines()[0][:200]}"
+            problem = str(e).splitlines()[0][:200]
+        if not _everywhere(got is not None):  # every process falls back or fails together
+            problem = f"checkpoint {source.directory / str(step)} does not read back: {problem}"
             if source.named_step or step == source.steps[-1]:
                 raise CheckpointNotFound(problem) from None
             if jax.process_index() == 0:
@@ -261,7 +288,8 @@ def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
     meta = source.meta(source.steps[0])
     make_config, _, make_specs = FAMILIES[meta["hf_config"]["model_type"]]
     cfg = make_config(meta["hf_config"])
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    # On the host's memory: a GPU would not hold a whole large model.
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
         common.abstract_params(make_specs(cfg), meta["run"]["param_dtype"]))

@@ -209,8 +209,9 @@ class RunLog:
     def say_checkpoint(self, path: Path, stopped_by) -> None:
         stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
         resume = self.checkpoint_dir if self.run.checkpoint_dir else self.dir
+        args = [a for a in self.setup.args if not a.startswith(("resume=", "checkpoint_dir="))]
         self._say(f"checkpoint  {stop}{path} (complete); continue with: python train.py "
-                  f"{self.setup.experiment.name} resume={resume}")
+                  f"{' '.join([self.setup.experiment.name, *args])} resume={resume}")
 
     def maybe_start_profile(self, step: int) -> None:
         """A trace of steps 2-4 in the run folder: process 0's, of its own devices."""

@@ -54,6 +54,7 @@ class Setup:
     data: object
     hf_params: Checkpoint | None  # init_from, not read yet: each process reads its share
     resume: checkpoints.Source | None = None  # the checkpoint this run continues from
+    args: tuple[str, ...] = ()  # the command line's key=value overrides, as given
 
 
 def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str,
@@ -110,7 +111,7 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
     setup = Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
-                  hf_params)
+                  hf_params, args=tuple(args))
     if not full:
         setup.resume = checkpoints.check_outputs(setup, run.batch(len(devices)))
     return setup
@@ -161,6 +162,11 @@ class Built:
     run_tags: list[memory.TagLine]  # this run's placement list, checked on its own program
 
 
+def check_target(run: configs.RunConfig, target: backend.Target) -> None:
+    if run.attention == "cudnn" and target.platform != "gpu":
+        raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
+
+
 def layout(setup: Setup, target: backend.Target) -> tuple[common.AxisRules, object]:
     """The run's mesh (in its axis rules) and optimizer: what its state is made for."""
     run = setup.run
@@ -175,8 +181,7 @@ def build(setup: Setup, target: backend.Target) -> Built:
     every backend has (it needs no device); on a GPU the run's placement list is checked on
     the compiled program's host buffers, elsewhere on the program exported for a GPU."""
     run = setup.run
-    if run.attention == "cudnn" and target.platform != "gpu":
-        raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
+    check_target(run, target)
     rules, optimizer = layout(setup, target)
     mesh, mesh_shape = rules.mesh, run.mesh.shape(len(target.devices))
     started = time.perf_counter()
@@ -209,6 +214,7 @@ def start_state(setup: Setup, target: backend.Target) -> tuple[dict, int]:
 def train(setup: Setup, target: backend.Target) -> dict | None:
     """Run the experiment; its summary (with `stopped_by` when a signal ended it early), or
     None when the loss stopped being finite."""
+    check_target(setup.run, target)  # before the state is made or restored
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
         state, done = start_state(setup, target)
         built = build(setup, target)
@@ -225,9 +231,10 @@ def train(setup: Setup, target: backend.Target) -> dict | None:
             saver.close()
     if last is None:
         return None
+    stopped = stop.signal if last < run.steps else None  # on the last step it stops nothing
     if saver.saved:
-        log.say_checkpoint(saver.saved[-1], stop.signal)
-    return {**log.summary(), **({"stopped_by": stop.signal.name} if stop.signal else {})}
+        log.say_checkpoint(saver.saved[-1], stopped)
+    return {**log.summary(), **({"stopped_by": stopped.name} if stopped else {})}
 
 
 def _loop(setup, built, state, batch, done, log, saver, stop) -> int | None:
@@ -311,12 +318,14 @@ def exit_status(summary: dict | None) -> int:
 
 def compare(name: str, args: list[str], target: backend.Target) -> int:
     """Run each experiment of a comparison, then print one table of them."""
-    if any(a.startswith("resume=") for a in args):
-        raise ConfigError(f"{name} runs several experiments: resume one of them "
-                          f"({', '.join(configs.COMPARISONS[name])})")
+    for key in ("resume", "checkpoint_dir"):
+        if any(a.startswith(key + "=") for a in args):
+            raise ConfigError(f"{name} runs several experiments: {key}= is for one of them "
+                              f"({', '.join(configs.COMPARISONS[name])})")
+    setups = [resolve(experiment, args, target.devices)  # every row checked before any runs
+              for experiment in configs.COMPARISONS[name]]
     rows = []
-    for experiment in configs.COMPARISONS[name]:
-        setup = resolve(experiment, args, target.devices)
+    for setup in setups:
         summary = train(setup, target)
         if status := exit_status(summary):
             return status
@@ -374,6 +383,10 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: the checkpoint being written is not complete
+        print("error: interrupted by a second Ctrl-C; a checkpoint still being written is "
+              "incomplete and is never picked", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

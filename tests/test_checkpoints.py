@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,10 +170,12 @@ def test_kill_9_mid_save_then_sigterm_then_resume_latest(tmp_path, capsys):
     stopped_at = max(int(p.name) for p in (stopped / "checkpoints").iterdir())
     assert last_complete < stopped_at < STEPS
 
-    code, out, err = cli(["llama405b-offload", "seq=32", "model.n_layers=1", "model.vocab=512",
-                          f"steps={STEPS}", "checkpoint_every=0", "resume=latest",
-                          f"out_dir={runs}"],
-                         capsys)
+    # The command it printed continues it: the run's own overrides, resume= its folder.
+    (command,) = re.findall(r"continue with: python train.py (.*)", out)
+    assert command.split() == ["llama405b-offload", "seq=32", "model.n_layers=1",
+                               "model.vocab=512", f"steps={STEPS}", "checkpoint_every=0",
+                               f"out_dir={runs}", f"resume={stopped}"]
+    code, out, err = cli(command.split(), capsys)
     assert code == 0, err
     assert f"step {stopped_at + 1:>2}/{STEPS}" in out and f"step {STEPS}/{STEPS}" in out
 
@@ -200,6 +203,9 @@ def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
     shutil.copytree(run_dir / "checkpoints", corrupt)
     for data in (corrupt / "2" / "params").rglob("d/*"):
         data.write_bytes(data.read_bytes()[:10])
+    foreign = tmp_path / "foreign"
+    shutil.copytree(run_dir / "checkpoints" / "1", foreign / "1")
+    (foreign / "1" / "meta" / "metadata").write_text('{"step": 1}')
     keep = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     cases = [
         [*small, "resume=/nonexistent/run"], [*small, f"resume={empty}"],
@@ -208,7 +214,9 @@ def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
         [*small, f"resume={run_dir}"],  # already at its last step
         [*small, f"out_dir={a_file}"], [*small, f"out_dir={a_file / 'below'}"],
         [*small, f"checkpoint_dir={run_dir / 'checkpoints'}"],
+        [*small, f"resume={foreign}"],
         ["llama405b-compare", f"resume={run_dir}"],
+        ["llama405b-compare", f"checkpoint_dir={tmp_path / 'new'}"],
         ["export", str(run_dir), f"hf_dir={run_dir}"], ["export", str(run_dir)],
         ["export", str(run_dir), f"hf_dir={tmp_path / 'hf'}", "dtype=int8"],
         ["export", str(corrupt / "2"), f"hf_dir={tmp_path / 'hf'}"],
