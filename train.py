@@ -298,7 +298,7 @@ def print_search(name: str, args: list[str]) -> None:
     setup = resolve(name, args, full=True)
     result = placement_search.run_search(setup.experiment, options, time.perf_counter)
     print("\n".join(placement_search.report_lines(result, int(options["top"]))))
-    if options["plot"] != "off":
+    if options["plot"] != "off" and jax.process_index() == 0:  # one picture per launch
         print(placement_search.write_plot(result, setup.run.out_dir))
     gpu, run = GPUS[setup.run.device], setup.run
     for prediction in result.ranked[:int(options["verify"])]:
