@@ -34,6 +34,11 @@ _SAME_ON_RESUME = ("seq", "steps", "optimizer", "compute_dtype", "param_dtype", 
                    "balance_loss_weight")
 
 
+def _first_line(error: Exception) -> str:
+    """Of an Orbax or TensorStore error (often pages long), what one line can hold."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+
+
 def _read(step_dir: Path, **items) -> dict:
     """Items of one step folder (a reader: it never creates, writes or deletes anything)."""
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
@@ -89,7 +94,7 @@ class Source:
             meta = _read(where, meta=ocp.args.JsonRestore())["meta"]
         except Exception as e:
             raise CheckpointNotFound(f"checkpoint {where}: its settings do not read back "
-                                     f"({str(e).splitlines()[0][:200]})") from None
+                                     f"({_first_line(e)})") from None
         if not isinstance(meta, dict) or (missing := _META_KEYS - meta.keys()):
             raise CheckpointNotFound(f"checkpoint {where}: not one of this trainer's (its "
                                      f"settings lack {sorted(missing or _META_KEYS)[0]!r})")
@@ -181,7 +186,7 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
                         optimizer=ocp.args.StandardRestore(optimizer),
                         meta=ocp.args.JsonRestore())
         except Exception as e:  # Orbax and TensorStore raise many types for damaged files
-            problem = str(e).splitlines()[0][:200]
+            problem = _first_line(e)
         if not _everywhere(got is not None):  # every process falls back or fails together
             problem = f"checkpoint {source.directory / str(step)} does not read back: {problem}"
             if source.named_step or step == source.steps[-1]:
@@ -202,7 +207,7 @@ def read_params(source: Source, abstract_params) -> tuple[dict, dict]:
                     params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
     except Exception as e:
         raise CheckpointNotFound(f"checkpoint {source.directory / str(step)} does not read "
-                                 f"back: {str(e).splitlines()[0][:200]}") from None
+                                 f"back: {_first_line(e)}") from None
     return got["params"], got["meta"]
 
 

@@ -162,14 +162,12 @@ class Built:
     run_tags: list[memory.TagLine]  # this run's placement list, checked on its own program
 
 
-def check_target(run: configs.RunConfig, target: backend.Target) -> None:
+def layout(setup: Setup, target: backend.Target) -> tuple[common.AxisRules, object]:
+    """The run's mesh (in its axis rules) and optimizer: what its state is made for and its
+    step compiled for; first, whether the target can run it at all."""
+    run = setup.run
     if run.attention == "cudnn" and target.platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
-
-
-def layout(setup: Setup, target: backend.Target) -> tuple[common.AxisRules, object]:
-    """The run's mesh (in its axis rules) and optimizer: what its state is made for."""
-    run = setup.run
     mesh = common.make_mesh(run.mesh.shape(len(target.devices)), ("data", "fsdp"),
                             devices=target.devices)
     return training.axis_rules(run, mesh), training.make_optimizer(run.optimizer, run.steps)
@@ -181,7 +179,6 @@ def build(setup: Setup, target: backend.Target) -> Built:
     every backend has (it needs no device); on a GPU the run's placement list is checked on
     the compiled program's host buffers, elsewhere on the program exported for a GPU."""
     run = setup.run
-    check_target(run, target)
     rules, optimizer = layout(setup, target)
     mesh, mesh_shape = rules.mesh, run.mesh.shape(len(target.devices))
     started = time.perf_counter()
@@ -214,7 +211,6 @@ def start_state(setup: Setup, target: backend.Target) -> tuple[dict, int]:
 def train(setup: Setup, target: backend.Target) -> dict | None:
     """Run the experiment; its summary (with `stopped_by` when a signal ended it early), or
     None when the loss stopped being finite."""
-    check_target(setup.run, target)  # before the state is made or restored
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
         state, done = start_state(setup, target)
         built = build(setup, target)

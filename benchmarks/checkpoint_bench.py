@@ -24,7 +24,6 @@ import jax  # noqa: E402
 import checkpoints  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
-import training  # noqa: E402
 
 INTERVALS = (0, 1, 10)  # checkpoint_every: none, every step, a realistic interval
 
@@ -51,11 +50,9 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> dict:
     blocking = time.perf_counter() - started
     saver.close()
     on_disk = time.perf_counter() - started
-    rules, optimizer = train.layout(setup, target)
-    abstract = training.abstract_state(setup.model, setup.run, rules, optimizer)
+    setup.resume = checkpoints.find(str(directory), "", "")
     started = time.perf_counter()
-    jax.block_until_ready(checkpoints.restore(checkpoints.find(str(directory), "", ""),
-                                              abstract)[0])
+    jax.block_until_ready(train.start_state(setup, target)[0])
     return {"bytes": nbytes, "blocking_s": blocking, "save_s": on_disk,
             "restore_s": time.perf_counter() - started}
 

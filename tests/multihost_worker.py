@@ -93,9 +93,8 @@ def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
     devices as a resumed run places them, then gathered whole."""
     argv = RUNS["deepseek"]
     setup = train.resolve(argv[0], argv[1:], jax.devices())
-    rules, optimizer = train.layout(setup, backend.this_machine())
-    abstract = training.abstract_state(setup.model, setup.run, rules, optimizer)
-    state, _ = checkpoints.restore(checkpoints.find(str(checkpoint), "", ""), abstract)
+    setup.resume = checkpoints.find(str(checkpoint), "", "")
+    state, _ = train.start_state(setup, backend.this_machine())
     return flat(multihost_utils.process_allgather(state["params"], tiled=True))
 
 

@@ -1,5 +1,6 @@
 """Checkpoints: exact resumes, resharding, kill -9 and SIGTERM, export, bad input."""
 
+import dataclasses
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import backend
 import checkpoints
 import train
 import training
@@ -86,13 +88,10 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     # Saved on 8 devices (fsdp 8), restored on 4 (fsdp 4) and on data 2 x fsdp 4.
     source = checkpoints.find(str(whole), "", "")
     for devices, mesh in ((4, ["mesh.fsdp=4"]), (8, ["mesh.data=2", "mesh.fsdp=4"])):
-        setup = train.resolve("llama405b-offload", [*SMALL, *mesh], jax.devices()[:devices])
-        rules = training.axis_rules(setup.run, common.make_mesh(
-            setup.run.mesh.shape(devices), ("data", "fsdp"), devices=jax.devices()[:devices]))
-        optimizer = training.make_optimizer(setup.run.optimizer, setup.run.steps)
-        state, meta = checkpoints.restore(
-            source, training.abstract_state(setup.model, setup.run, rules, optimizer))
-        assert meta["step"] == 4 and int(state["step"]) == 4
+        target = dataclasses.replace(backend.this_machine(), devices=jax.devices()[:devices])
+        setup = train.resolve("llama405b-offload", [*SMALL, *mesh], target.devices)
+        state, step = train.start_state(dataclasses.replace(setup, resume=source), target)
+        assert step == 4 and int(state["step"]) == 4
         assert state["params"]["embed"].sharding.mesh.devices.size == devices
         assert_bit_identical(jax.tree.map(np.asarray, state["params"]), final)
 

@@ -18,7 +18,6 @@ import configs
 import multihost_worker as worker
 from cluster import finish, launch
 import train
-import training
 from model.hf import open_checkpoint
 
 
@@ -129,11 +128,9 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
                 "ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
             setup = train.resolve(worker.RUNS["deepseek"][0], worker.RUNS["deepseek"][1:],
                                   jax.devices())
-            rules, optimizer = train.layout(setup, backend.this_machine())
-            state, meta = checkpoints.restore(checkpoints.find(str(run_dir), "", ""),
-                                              training.abstract_state(setup.model, setup.run,
-                                                                      rules, optimizer))
-            assert meta["step"] == 2
+            setup.resume = checkpoints.find(str(run_dir), "", "")
+            state, step = train.start_state(setup, backend.this_machine())
+            assert step == 2
             want = worker.flat(state["params"])
         assert sorted(got) == sorted(want)
         for key in want:
