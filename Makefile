@@ -1,12 +1,13 @@
 # Set-up and aliases only: every experiment is `make NAME` = `python train.py NAME $(ARGS)`.
-PYTHON ?= python3
+# A Python of at least 3.12 (jax 0.12 needs it): found by scripts/find-python unless named.
+PYTHON ?= $(shell scripts/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
 # XLA's GPU compiler (the CUDA plugin and cuDNN, ~2 GB more): for --compile and the tests.
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
-.PHONY: help install install-gpu-compile lint test bench list clean
+.PHONY: help install install-gpu install-gpu-compile lint test bench list clean
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
@@ -18,10 +19,11 @@ help:
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite (8 fake CPU devices, GPU programs compiled without a GPU)"
 	@echo "make bench    proxy step time, FLOP rate vs a matmul ceiling; search and checkpoint costs"
-	@echo "make install  create $(VENV) with the pinned dependencies"
+	@echo "make install  create $(VENV) with the pinned dependencies (make install-gpu: + CUDA)"
 
 $(READY): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	@test -n "$(PYTHON)" || exit 2
+	$(PYTHON) -m venv --clear $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $@
@@ -31,6 +33,10 @@ $(COMPILE_READY): $(READY)
 	touch $@
 
 install: $(READY)
+
+# On a machine with NVIDIA GPUs: the CUDA build of the pinned jax (plugin, PJRT, CUDA libraries).
+install-gpu: $(READY)
+	$(VENV)/bin/pip install --quiet "jax[cuda12]==$$($(PY) -c 'import jax; print(jax.__version__)')"
 
 install-gpu-compile: $(COMPILE_READY)
 

@@ -9,6 +9,10 @@ JAX starts.
   - XLA's GPU memory pool takes MEMORY_FRACTION of each GPU unless the environment already
     says (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION); plans and
     compiles measure against that same figure.
+  - All-reduces go to NCCL, not XLA's Triton one-shot kernels (NCCL_ALL_REDUCES, unless
+    XLA_FLAGS already names the setting): jaxlib 0.12.0.1's GPU compiler aborts on a scalar
+    all-reduce over 64 GB200s ("LLVM Fatal Error ... size mismatch when packing elements"),
+    and XLA reads this list-valued setting only from XLA_FLAGS, not from a compile's options.
 
 A `Target` is what a step is compiled for: this machine's devices, or compile-only devices of
 a GPU described by XLA's target spec (`compile_only`), which run XLA's real GPU compiler on a
@@ -33,6 +37,7 @@ from configs.gpus import Gpu
 # CUDA context and NCCL's buffers.
 MEMORY_FRACTION = 0.95
 FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+NCCL_ALL_REDUCES = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
 _CUDA_STUB_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers")
 
 
@@ -90,6 +95,8 @@ if has_cuda_plugin() and not has_gpu():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not any(os.environ.get(name) for name in FRACTION_VARIABLES):
     os.environ[FRACTION_VARIABLES[0]] = str(MEMORY_FRACTION)
+if NCCL_ALL_REDUCES.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NCCL_ALL_REDUCES}".strip()
 with quiet():
     import jax
     from jax.experimental import topologies
@@ -148,7 +155,7 @@ def compile_only(gpu: Gpu, n_devices: int) -> Target:
     with quiet():
         topology = topologies.get_topology_desc(platform="cuda",
                                                 topology=gpu.topology(n_devices),
-                                                target_config=gpu.target_config())
+                                                target_config=gpu.spec)
     return Target("gpu", gpu.capability, tuple(topology.devices), gpu)
 
 
@@ -160,7 +167,7 @@ def kernel_checks(target: Target):
     if target.gpu is None:
         yield
         return
-    # Reaching inside: the checks are module functions of JAX's cuDNN attention (jax 0.10.2).
+    # Reaching inside: the checks are module functions of JAX's cuDNN attention (jax 0.12).
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
     def at_least(version: str) -> bool:

@@ -23,7 +23,7 @@ import training
 from configs import Experiment, RunConfig
 from configs.gpus import GPUS, Gpu
 from model import common, quant
-from offload import memory, placement, policies, trace
+from offload import addressing, memory, placement, policies, trace
 
 GiB, MiB = 2**30, 2**20
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -93,7 +93,7 @@ class Program:
         step = training.make_step(self.model, self.run, self.tables, self.rules, self.optimizer,
                                   backend.ANY)
         offloaded = placement.verify_offloads(step, self.state, self.batch)
-        in_host = None
+        in_host = None  # (scan, tag) -> the addressing proof of its host buffer
         if compiled_hlo is not None:
             moved = trace.offloaded_tags(jax.grad(self.local_loss(self.tables)),
                                          self.local_params, self.local_batch)
@@ -102,7 +102,8 @@ class Program:
         tables, scans = self.tables or {}, training.family(self.model).SCANS
         return [memory.TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"),
                                (s.scan, s.tag) in needed, (s.scan, s.tag) in offloaded,
-                               None if in_host is None else (s.scan, s.tag) in in_host)
+                               None if in_host is None else (s.scan, s.tag) in in_host,
+                               None if in_host is None else in_host.get((s.scan, s.tag)))
                 for s in sorted(sites, key=lambda s: scans.index(s.scan))]
 
     def memory_plan(self, capacity: int, host_capacity: int, compiled_hlo: str | None = None,
@@ -208,14 +209,34 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
                        f"{' + '.join(f'{v.tag} {_size(v.nbytes)}' for v in moved)} = "
                        f"{_size(per_layer)} per layer; x {moved[0].count} layers = "
                        f"{_size(per_layer * moved[0].count)} in host memory")
-    return out
+    return out + addressing_problems(lines)
+
+
+def addressing_problems(lines: list[memory.TagLine]) -> list[str]:
+    """One line per offloaded tag whose host buffer the compiled program does not provably
+    read back from where it wrote it (offload/addressing.py)."""
+    return [f"{line.value.scan} {line.value.tag}: addressing {line.addressing.verdict}: "
+            f"{line.addressing.detail}" for line in lines
+            if line.addressing is not None and not line.addressing.holds]
+
+
+def addressing_refusal(lines: list[memory.TagLine]) -> str | None:
+    """Why a GPU run must not start: its compiled step reads an offloaded activation back
+    from another layer's bytes (silently wrong gradients); None when none does."""
+    wrong = [line for line in lines if line.addressing is not None
+             and line.addressing.verdict == addressing.WRONG]
+    if not wrong:
+        return None
+    return (f"the compiled step would train on wrong gradients: {addressing_problems(wrong)[0]}"
+            f"{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}; this is jax "
+            f"{jax.__version__}; the bug is fixed from {addressing.FIXED_IN} on")
 
 
 def _verdict(line: memory.TagLine) -> str:
     if not line.needed:
         return "nothing to place: the backward pass never reads it"
     if line.in_host_memory:
-        return "pinned host: its stacked buffer in memory space S(5), read back in backward"
+        return f"pinned host, stacked in memory space S(5): {line.addressing.summary}"
     if line.offloaded and line.in_host_memory is None:
         return "pinned_host, back to device for the backward pass"
     if line.offloaded:
@@ -292,6 +313,14 @@ def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
     out = [f"{'per device':<20}{'compiled':>11}{'static plan':>13}"]
     out += [f"{name:<20}{_size(a):>11}{_size(b):>13}  {why}" for name, a, b, why in rows]
     fits = compiled.device <= plan.capacity
+    proofs = [t.addressing for t in plan.tags if t.addressing is not None]
+    if wrong := [p for p in proofs if p.verdict == addressing.WRONG]:
+        out.append(f"DOES NOT WORK: {len(wrong)} of {len(proofs)} host buffers are read back "
+                   "from other layers' bytes: the gradients would be wrong (above)")
+    elif unproven := [p for p in proofs if not p.holds]:
+        out.append(f"UNPROVEN: the addressing of {len(unproven)} of {len(proofs)} host buffers "
+                   "cannot be verified (above); check the gradients on a GPU: "
+                   "benchmarks/gpu_check.py")
     out.append(f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(compiled.device)} compiled of "
                f"{_size(plan.capacity)} ({compiled.device / plan.capacity:.0%}; "
                f"{memory_source(gpu)}); host {_size(compiled.host)} of "

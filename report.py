@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -81,7 +82,8 @@ def flags_line(run, target) -> str:
     extra = training.compiler_options(run, target).keys() - run.xla_flags.keys()
     deviceless = (f"; compile-only devices also set {', '.join(sorted(extra))}=false (XLA's "
                   "CUB sort rewriter wants a device)" if extra else "")
-    return f"{flags} [applied{deviceless}]"
+    return (f"{flags} [applied{deviceless}]; XLA_FLAGS (every compile): "
+            f"{os.environ.get('XLA_FLAGS', '')}")
 
 
 def _new_run_dir(root: str, name: str) -> Path:

@@ -196,6 +196,17 @@ def build(setup: Setup, target: backend.Target) -> Built:
     return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan, run_tags)
 
 
+def check_addressing(built: Built) -> None:
+    """Before step 1 on GPUs: a step that reads offloaded activations back from the wrong
+    bytes stops the run; one whose addressing cannot be verified runs, with a warning."""
+    if refusal := plan.addressing_refusal(built.run_tags):
+        raise ConfigError(refusal)
+    if problems := plan.addressing_problems(built.run_tags):
+        if jax.process_index() == 0:
+            print(f"warning: {problems[0]}: the gradients of this run are unproven; "
+                  "benchmarks/gpu_check.py checks them on a GPU", file=sys.stderr)
+
+
 def start_state(setup: Setup, target: backend.Target) -> tuple[dict, int]:
     """(state, steps already done): restored from the resume checkpoint, resharded onto this
     run's mesh, or freshly initialized. Before the step is compiled: a checkpoint that does
@@ -214,6 +225,7 @@ def train(setup: Setup, target: backend.Target) -> dict | None:
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
         state, done = start_state(setup, target)
         built = build(setup, target)
+        check_addressing(built)
         run, n_devices = setup.run, len(target.devices)
         batch_size = run.batch(n_devices)
         batch = global_batch(setup, done, built.rules.sharding(("batch", None)), batch_size)

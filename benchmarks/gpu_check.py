@@ -1,12 +1,14 @@
 """The study's four Llama rows on one GPU, at 405B width, with offloaded gradients checked.
 
     python benchmarks/gpu_check.py           one GPU (e.g. an H200): a few minutes
+                                             (jax[cuda12]==0.12.0.1 in .venv, README)
     python benchmarks/gpu_check.py --smoke   tiny shapes on any backend (the CPU test of this)
 
 1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
    #46231): for each row's policy, XLA flags and NVFP4 weights, loss and gradients at f32 /
-   highest matmul precision against no checkpointing, over several scanned layers; NVFP4
-   logits on this backend against the CPU's (and the FP4 scaled-dot path on Blackwell).
+   highest matmul precision against no checkpointing, over several scanned layers, beside
+   the addressing proof of the same compiled program (offload/addressing.py: the two must
+   agree); NVFP4 logits on this backend against the CPU's (and the FP4 path on Blackwell).
 2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
    proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:
    step time (forward + backward), TFLOP/s/device by MaxText's formula, peak device memory,
@@ -32,7 +34,7 @@ import numpy as np  # noqa: E402
 import configs  # noqa: E402
 import training  # noqa: E402
 from model import common, llama, quant  # noqa: E402
-from offload import policies  # noqa: E402
+from offload import addressing, policies  # noqa: E402
 
 ROWS = configs.COMPARISONS["llama405b-compare"]
 WIDE = dataclasses.replace(configs.get("llama405b-offload").model, n_layers=3)
@@ -79,14 +81,17 @@ def check_gradients(smoke: bool) -> list[dict]:
                                           dataclasses.replace(run, xla_flags={}))
                 references[quantization] = plain(params, batch)
             ref_loss, ref_grads = references[quantization]
-            loss, grads = value_and_grad_fn(model, row_tables(name), jnp.float32, run)(
-                params, batch)
+            compiled = value_and_grad_fn(model, row_tables(name), jnp.float32, run).lower(
+                params, batch).compile()
+            proofs = addressing.prove(compiled.as_text())
+            loss, grads = compiled(params, batch)
             scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
             error = max(float(jnp.abs(a - b).max()) for a, b in
                         zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
             results.append({"row": name, "loss_diff": abs(float(loss - ref_loss)),
                             "grad_max_abs_diff": error, "grad_rel": error / scale,
-                            "ok": error <= 1e-5 * scale})
+                            "ok": error <= 1e-5 * scale, "host_buffers": len(proofs),
+                            "addressing": sorted({p.verdict for p in proofs})})
     return results
 
 
@@ -156,7 +161,8 @@ def main(argv: list[str]) -> int:
     for r in correctness:
         print(f"gradients {r['row']:<30} max|diff| {r['grad_max_abs_diff']:.3e} "
               f"({r['grad_rel']:.2e} of max|grad|), loss diff {r['loss_diff']:.2e}  "
-              f"{'OK' if r['ok'] else 'WRONG'}")
+              f"{'OK' if r['ok'] else 'WRONG'}; addressing of its {r['host_buffers']} host "
+              f"buffers: {', '.join(r['addressing']) or '-'}")
     nvfp4 = check_nvfp4()
     print("\n".join(nvfp4))
     rows = []
@@ -171,7 +177,8 @@ def main(argv: list[str]) -> int:
         print(f"{r['row']:<30}" + "".join(f"{r[k]:>18.2f}" for k in keys))
     print(f"(L={rows[0]['layers']}, seq {rows[0]['seq']}, batch {rows[0]['batch']}; forward + "
           "backward, no optimizer; TFLOP/s by MaxText's formula)")
-    return 0 if all(r["ok"] for r in correctness) and "WRONG" not in nvfp4[0] else 1
+    proven = all(v == addressing.CHECKED for r in correctness for v in r["addressing"])
+    return 0 if all(r["ok"] for r in correctness) and proven and "WRONG" not in nvfp4[0] else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 `gpu_specs/*.txtpb` are XLA's GPU target descriptions (a `GpuTargetConfigProto` per GPU, read
 off real devices), kept as published; README.md there names their source. They give the
 device memory the plans measure against and the compute capability that picks kernels, and
-they let `--compile` run XLA's real GPU compiler without a GPU. No JAX import (see configs).
+they let `--compile` run XLA's real GPU compiler without a GPU (jaxlib 0.12 reads them as
+published). No JAX import (see configs).
 """
 
 import dataclasses
@@ -45,17 +46,6 @@ class Gpu:
     @property
     def device_kind(self) -> str:
         return self._field("name").strip('"')
-
-    def target_config(self) -> str:
-        """The spec as jaxlib 0.10.2's `GpuTargetConfigProto` parses it: without the comments,
-        without `collective_memory_granularity` (a newer field it does not know, which fails
-        the parse), and with the top-level `runtime_version` message this version reads where
-        newer specs only carry the `gpu_device_info.runtime_version` string."""
-        lines = [line for line in self.spec.splitlines() if not line.lstrip().startswith("#")
-                 and "collective_memory_granularity" not in line]
-        major, minor, patch = self._field("runtime_version").strip('"').split(".")
-        lines.append(f"runtime_version {{ major: {major} minor: {minor} patch: {patch} }}")
-        return "\n".join(lines) + "\n"
 
     def topology(self, devices: int) -> str:
         """XLA's topology for `devices` GPUs in hosts of `per_host`: slices x hosts x GPUs."""

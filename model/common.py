@@ -185,12 +185,12 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     Query head n reads kv head n // (N/K), Hugging Face's repeat-interleave GQA mapping.
     The softmax runs in fp32. `implementation="cudnn"` (GPUs, bf16) is cuDNN's fused flash
     kernel, which never stores the [B, N, T, S] scores and takes a narrower v as it is (MLA:
-    192 for q and k, 128 for v). None is XLA's reference path (JAX 0.10 does not pick cuDNN
+    192 for q and k, 128 for v). None is XLA's reference path (JAX 0.12 does not pick cuDNN
     by itself); it wants one head dim, so a narrower v is padded with zero columns there,
     whose outputs are zero and sliced off.
     """
     if implementation == "cudnn":
-        # JAX 0.10.2's public dot_product_attention refuses H' != H before reaching this
+        # JAX 0.12's public dot_product_attention refuses H' != H before reaching this
         # kernel, which supports it (cuDNN >= 9.10 on Hopper and later).
         return cudnn_attention.dot_product_attention(
             q, k, v, scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale,

@@ -185,6 +185,15 @@ def _dot_general_plan(subscripts: str):
     return dims, tuple(map(result.index, out))
 
 
+def _within_range(scaled: jax.Array) -> jax.Array:
+    """An operand divided by its tensor scale, at most 2688 (6 x 448) in magnitude, with an
+    identity gradient. Exactly, the amax element lands on 2688; XLA may compute a / (1 / S_enc)
+    as a x S_enc and land it an ulp above, and JAX's straight-through rule zeroes the gradient
+    of any element past 2688 (as clipped by the quantization) though none was."""
+    bound = E4M3_MAX * E2M1_MAX
+    return scaled + jax.lax.stop_gradient(jnp.clip(scaled, -bound, bound) - scaled)
+
+
 def _scaled_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     dims, order = _dot_general_plan(subscripts)
     contraction = math.prod(x.shape[d] for d in dims[0][0])
@@ -198,8 +207,8 @@ def _scaled_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     # the documented shape (1,), which would be rank promotion against the operands.
     scales = [jax.lax.stop_gradient(tensor_scale(a)) for a in (x, w)]
     unit = jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=np.ones((), np.float32))
-    out = jax.nn.scaled_dot_general((x / scales[0]).astype(x.dtype),
-                                    (w / scales[1]).astype(w.dtype), dims,
+    out = jax.nn.scaled_dot_general(_within_range(x / scales[0]).astype(x.dtype),
+                                    _within_range(w / scales[1]).astype(w.dtype), dims,
                                     preferred_element_type=x.dtype, configs=[unit] * 3)
     out = (out.astype(jnp.float32) * (scales[0] * scales[1])).astype(x.dtype)
     return jnp.transpose(out, order)

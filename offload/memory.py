@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from offload.addressing import Proof
 from offload.trace import Residual, Tagged
 
 
@@ -30,6 +31,7 @@ class TagLine:
     needed: bool  # does the backward pass use it at all (else no placement changes anything)
     offloaded: bool  # what the exported GPU program asks (JAX's annotations)
     in_host_memory: bool | None = None  # what the compiled GPU program does; None: not compiled
+    addressing: Proof | None = None  # whether it reads its host buffer back where it wrote it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ What XLA does: in a program compiled for a GPU (a GPU run, or compile-only devic
 value offloaded inside a layer scan becomes one buffer stacked over the layers,
 `bf16[L, ...]{...:S(5)}` (memory space 5: pinned host), made by an `AllocateBuffer` custom
 call, written in the forward loop and read in the backward loop. XLA's host-offload passes
-could still keep a device copy or drop a move; only the compiled program shows it.
+could still keep a device copy or drop a move, or address the buffer wrongly: only the
+compiled program shows it (offload/addressing.py proves its addressing).
 """
 
 import re
@@ -19,12 +20,12 @@ from collections import Counter
 
 from jax import export
 
+from offload import addressing
+from offload.addressing import Proof
 from offload.trace import Tagged, offloaded_tags
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
-_HOST_BUFFER = re.compile(r'= (\w+)\[([\d,]*)\]\{[^}]*:S\(5\)\} custom-call\(\), '
-                          r'custom_call_target="AllocateBuffer"')
 _MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
 
 
@@ -60,26 +61,24 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
     return {(t.scan, t.tag) for sites in traced.values() for t in sites}
 
 
-def host_buffers(hlo: str) -> Counter:
-    """(shape, dtype) -> how many buffers an optimized GPU program allocates in host memory."""
-    return Counter((tuple(int(d) for d in dims.split(",") if d), _MLIR_DTYPES.get(dtype, dtype))
-                   for dtype, dims in _HOST_BUFFER.findall(hlo))
-
-
-def compiled_host_buffers(hlo: str, offloaded: list[Tagged]) -> set[tuple[str, str]]:
+def compiled_host_buffers(hlo: str, offloaded: list[Tagged]) -> dict[tuple[str, str], Proof]:
     """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose
-    stack over its layers, [count, *shape], the compiled program keeps in host memory.
+    stack over its layers, [count, *shape], the compiled program keeps in host memory, and the
+    proof that the program reads that buffer back from where it wrote it (offload.addressing).
 
     A host buffer that no offloaded value accounts for is an error: the program moves
     something no table asked for."""
-    left = host_buffers(hlo)
-    found = set()
+    left = addressing.prove(hlo)
+    found = {}
     for value in offloaded:
-        key = ((value.count, *value.shape), str(value.dtype))
-        if left[key] > 0:
-            left[key] -= 1
-            found.add((value.scan, value.tag))
-    if +left:
+        stacked = ((value.count, *value.shape), str(value.dtype))
+        match = next((p for p in left if (p.buffer.shape.dims, _MLIR_DTYPES.get(
+            p.buffer.shape.dtype, p.buffer.shape.dtype)) == stacked), None)
+        if match is not None:
+            left.remove(match)
+            found[value.scan, value.tag] = match
+    if left:
+        shapes = Counter((p.buffer.shape.dims, p.buffer.shape.dtype) for p in left)
         raise PlacementError(f"the compiled program keeps buffers in host memory that no "
-                             f"offloaded tag accounts for: {dict(+left)}")
+                             f"offloaded tag accounts for: {dict(shapes)}")
     return found

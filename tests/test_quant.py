@@ -255,18 +255,26 @@ def test_the_fp4_path_trains_under_scan_and_checkpoint(block_scaled_matmul_on_cp
     """Layers run under scan and jax.checkpoint. JAX keeps a config's global scale as a
     constant of the traced function, so scales computed from the data cannot go there (the
     documented call fails under both); the FP4 path scales the operands itself instead, and
-    gives the documented call's loss and gradients, computed outside scan and checkpoint."""
+    gives the documented call's loss and gradients, computed outside scan and checkpoint.
+    Every operand's largest magnitude is a power of two times 2688 (6 x 448), so both
+    formulations compute their tensor scales and the scaled operands exactly."""
     rng = np.random.default_rng(9)
-    x = jnp.asarray(rng.standard_normal((2, 8, 64)) * 3, jnp.float32)
-    weights = jnp.asarray(rng.standard_normal((3, 64, 64)) / 8, jnp.float32)
+    x = np.clip(rng.standard_normal((2, 8, 64)), -5, 5)
+    x[:, 0, 0] = 5.25  # 2688 / 512
+    w = rng.standard_normal((3, 64, 64))
+    w = w / np.abs(w).max(axis=(1, 2), keepdims=True) * 0.65625  # 2688 / 4096 per layer
+    x, weights = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+
+    def layer(product, h, w):  # |tanh| < 1: the pinned element is the next input's amax
+        return jnp.tanh(product(h, w)).at[:, 0, 0].set(5.25)
 
     def scanned(product, x, weights):
-        layer = jax.checkpoint(lambda h, w: (jnp.tanh(product(h, w)), None))
-        return jnp.sum(jnp.square(jax.lax.scan(layer, x, weights)[0]))
+        body = jax.checkpoint(lambda h, w: (layer(product, h, w), None))
+        return jnp.sum(jnp.square(jax.lax.scan(body, x, weights)[0]))
 
     def unrolled(x, weights):
         for w in weights:
-            x = jnp.tanh(global_scale_einsum(x, w))
+            x = layer(global_scale_einsum, x, w)
         return jnp.sum(jnp.square(x))
 
     fp4 = partial(quant.nvfp4_einsum, "btd,de->bte", axis=0, path="scaled")
@@ -277,6 +285,29 @@ def test_the_fp4_path_trains_under_scan_and_checkpoint(block_scaled_matmul_on_cp
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6 * np.abs(e).max())
     with pytest.raises(jax.errors.UnexpectedTracerError):  # the scale escapes its trace
         jax.jit(jax.grad(partial(scanned, global_scale_einsum)))(x, weights)
+
+
+def test_the_fp4_path_never_zeroes_the_gradient_of_the_largest_element(
+        block_scaled_matmul_on_cpu):
+    """With the tensor scale taken from the amax, the quantization clips nothing, so JAX's
+    straight-through rule (zero gradient past 2688 after scaling) must pass every element.
+    This amax is one where a x float32(2688 / a) rounds above 2688 (XLA computes
+    a / (1 / S_enc) that way): the largest element's gradient must survive it."""
+    amax = next(a for a in np.float32(1 + np.arange(1, 10**5) * 1e-5)
+                if np.float32(a * np.float32(2688 / a)) > 2688)
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-0.9, 0.9, (4, 64)).astype(np.float32) * amax
+    x[1, 7] = amax
+    w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+
+    def loss(product, x):
+        return jnp.sum(product(x, w) * probe)
+
+    fp4 = partial(quant.nvfp4_einsum, "bd,de->be", axis=0, path="scaled")
+    got = jax.jit(jax.grad(partial(loss, fp4)))(jnp.asarray(x))
+    want = jax.grad(partial(loss, partial(jnp.einsum, "bd,de->be")))(jnp.asarray(x))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_scaled_path_exports_for_cuda():

@@ -9,6 +9,12 @@ gpus_per_task=$1
 shift
 python=${PYTHON:-.venv/bin/python}
 
+# The CUDA build of the pinned jax, installed once here (before srun) if the venv lacks it.
+if ! "$python" -c "import jax_cuda12_plugin" 2>/dev/null; then
+    "$python" -m pip install --quiet \
+        "jax[cuda12]==$("$python" -c 'import jax; print(jax.__version__)')"
+fi
+
 # XLA's memory pool takes this share of each GPU; the plan and the run header measure against it.
 export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.95}
 

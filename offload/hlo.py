@@ -1,0 +1,208 @@
+"""Optimized HLO text (`compiled.as_text()`, or `--xla_dump_to`'s `*after_optimizations.txt`),
+parsed as far as this project reads it: computations, their instructions in schedule order
+(`is_scheduled=true`: the order is the execution order), shapes with layouts and memory spaces,
+operands, called computations and attributes. No JAX import: a committed HLO file is read the
+same way as a fresh compile.
+"""
+
+import dataclasses
+import json
+import math
+import re
+
+HOST_MEMORY_SPACE = 5  # S(5): pinned host memory on XLA's GPU backend
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,
+         "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+         "c64": 64, "c128": 128, "f4e2m1fn": 4, "f8e8m0fnu": 8}
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
+
+
+def _bits(dtype: str) -> int:
+    if dtype.startswith("f8"):
+        return 8
+    return _BITS.get(dtype, 0)  # token[], opaque: no bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """An array shape (`dtype`, `dims`, `minor_to_major` layout, memory space) or a tuple."""
+    dtype: str = ""
+    dims: tuple[int, ...] = ()
+    minor_to_major: tuple[int, ...] = ()
+    memory_space: int = 0
+    elements: tuple["Shape", ...] | None = None  # a tuple's element shapes
+
+    @property
+    def is_tuple(self) -> bool:
+        return self.elements is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.memory_space == HOST_MEMORY_SPACE
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the array (sub-byte types packed), or of every element of a tuple."""
+        if self.is_tuple:
+            return sum(e.nbytes for e in self.elements)
+        return -(-self.size * _bits(self.dtype) // 8)
+
+    def byte_strides(self) -> tuple[int, ...]:
+        """Bytes between neighbours along each dimension, from the layout (dense, whole bytes)."""
+        order = self.minor_to_major or tuple(reversed(range(len(self.dims))))
+        strides, step = [0] * len(self.dims), _bits(self.dtype) // 8
+        for dim in order:
+            strides[dim] = step
+            step *= self.dims[dim]
+        return tuple(strides)
+
+
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """`text` split at `sep` outside brackets and quotes."""
+    parts, depth, quoted, start = [], 0, False, 0
+    for i, ch in enumerate(text):
+        if ch == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and ch in "([{":
+            depth += 1
+        elif not quoted and ch in ")]}":
+            depth -= 1
+        elif not quoted and depth == 0 and ch == sep:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    tail = text[start:].strip()
+    return parts + [tail] if tail else parts
+
+
+def _closing(text: str, start: int) -> int:
+    """The index just past the bracket that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in {text[:80]!r}")
+
+
+def parse_shape(text: str) -> Shape:
+    text = re.sub(r"/\*.*?\*/", "", text).strip()
+    if text.startswith("("):
+        return Shape(elements=tuple(parse_shape(t) for t in _split_top(text[1:-1])))
+    match = _ARRAY.fullmatch(text)
+    if match is None:
+        return Shape(dtype=text)  # token[] and the like
+    dtype, dims, layout = match.groups()
+    dims = tuple(int(d) for d in dims.split(",") if d)
+    minor_to_major, space = (), 0
+    if layout:
+        order, _, extras = layout.partition(":")
+        minor_to_major = tuple(int(d) for d in order.split(",") if d)
+        if found := re.search(r"S\((\d+)\)", extras):
+            space = int(found.group(1))
+    return Shape(dtype, dims, minor_to_major, space)
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: Shape
+    opcode: str
+    operands: list[str]  # instruction names; literals (a constant's value) are in `literal`
+    attrs: dict[str, str]
+    literal: str = ""
+    root: bool = False
+
+    def called(self) -> list[str]:
+        """Computations this instruction runs (fusions, async starts, calls, loops)."""
+        names = []
+        for key in ("calls", "to_apply", "condition", "body", "branch_computations"):
+            if key in self.attrs:
+                names += re.findall(r"%?([\w.\-]+)", self.attrs[key].strip("{}"))
+        return names
+
+    def backend_config(self) -> dict:
+        text = self.attrs.get("backend_config", "")
+        try:
+            return json.loads(text) if text.startswith("{") else {}
+        except json.JSONDecodeError:
+            return {}
+
+    @property
+    def parameter_number(self) -> int:
+        return int(self.literal)
+
+
+@dataclasses.dataclass
+class Computation:
+    name: str
+    instructions: list[Instruction]
+    entry: bool = False
+
+    @property
+    def root(self) -> Instruction:
+        return next(i for i in self.instructions if i.root)
+
+    def parameters(self) -> list[Instruction]:
+        found = [i for i in self.instructions if i.opcode == "parameter"]
+        return sorted(found, key=lambda i: i.parameter_number)
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, Computation]
+    scheduled: bool
+
+    @property
+    def entry(self) -> Computation:
+        return next(c for c in self.computations.values() if c.entry)
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if match is None:
+        return None
+    root, name, rest = match.groups()
+    end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
+    shape, rest = parse_shape(rest[:end]), rest[end:].lstrip()
+    opcode = rest[:rest.index("(")]
+    args_end = _closing(rest, len(opcode))
+    args = re.sub(r"/\*.*?\*/", "", rest[len(opcode) + 1:args_end - 1])
+    operands, literal = [], ""
+    for arg in _split_top(args):
+        if arg.startswith("%"):
+            operands.append(arg[1:])
+        elif re.fullmatch(r"[\w.\-]+", arg) and opcode not in ("constant", "parameter"):
+            operands.append(arg)  # operands printed without their sigil
+        else:
+            literal = arg
+    attrs = {}
+    for item in _split_top(rest[args_end:].lstrip(", ")):
+        key, _, value = item.partition("=")
+        attrs[key.strip()] = value.strip()
+    return Instruction(name, shape, opcode, operands, attrs, literal, bool(root))
+
+
+def parse_module(text: str) -> Module:
+    computations, current, entry, scheduled = {}, None, False, False
+    for line in text.splitlines():
+        if line.startswith("HloModule "):
+            scheduled = "is_scheduled=true" in line
+        elif current is None:
+            if match := _COMPUTATION.match(line):
+                entry, current = bool(match.group(1)), Computation(match.group(2), [])
+        elif line.startswith("}"):
+            current.entry = entry
+            computations[current.name] = current
+            current = None
+        elif (instruction := parse_instruction(line)) is not None:
+            current.instructions.append(instruction)
+    return Module(computations, scheduled)

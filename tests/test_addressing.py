@@ -1,0 +1,186 @@
+"""The compiled GPU program reads each offloaded activation back from the bytes the forward
+pass wrote it to (offload/addressing.py): proved for the pinned jax on a small scanned stack
+compiled for a GPU, refuted on the optimized HLO jax 0.10.2 compiled for the same program
+(committed), and each half of the proof (the index the loop passes, XLA's descriptor) shown
+able to fail on hand-written programs whose addresses are computed by hand."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import backend
+import plan
+import train
+from configs import ConfigError
+from configs.gpus import GPUS
+from offload import addressing, memory, placement
+from offload.trace import Tagged
+from tools import offload_probe
+
+FIXTURES = offload_probe.FIXTURES
+
+
+@pytest.mark.parametrize("remat3", [False, True], ids=["remat", "remat3"])
+@pytest.mark.parametrize("options", [{}, offload_probe.PIPELINED], ids=["plain", "pipelined"])
+def test_the_pinned_jax_reads_host_buffers_back_in_reverse_layer_order(options, remat3):
+    """Also under JAX's next remat implementation (jax_remat3), which matches policies by the
+    class of their answer."""
+    devices = backend.compile_only(GPUS["h200"], 1).devices
+    jax.config.update("jax_remat3", remat3)
+    try:
+        hlo = offload_probe.compile_probe(devices, options)
+    finally:
+        jax.config.update("jax_remat3", False)
+    (proof,) = addressing.prove(hlo)
+    assert proof.buffer.shape.dims == (offload_probe.LAYERS, offload_probe.ROWS,
+                                       offload_probe.WIDTH)
+    assert (proof.verdict, proof.detail) == (addressing.CHECKED,
+                                             "read back layer 3 first: checked")
+
+
+@pytest.mark.parametrize("name, walk", [
+    ("jax-0.10.2", "read 0 (dynamic_slice.8.1, iteration 0 of loop while.18) means layer 3 "
+                   "(the loop passes index 3), but XLA's descriptor byte_offset 0, "
+                   "byte_stride +524,288 addresses layer 0"),
+    ("jax-0.10.2-pipelined", "read 1 (dynamic_slice.18.1, iteration 0 of loop while.1) means "
+                             "layer 2 (the loop passes index 2), but XLA's descriptor "
+                             "byte_offset 524,288, byte_stride +524,288 addresses layer 1")])
+def test_jax_0_10_2_reads_them_back_walking_forward(name, walk):
+    (proof,) = addressing.prove((FIXTURES / f"{name}.hlo").read_text())
+    assert proof.verdict == addressing.WRONG
+    assert proof.detail.startswith(walk) and addressing.XLA_ISSUE in proof.detail
+
+
+# Four layers of f32[8] (32 bytes each) in a host buffer: a forward loop writes layer i, a
+# backward loop reads layer INDEX with XLA's descriptor READ. Right: 3 - i at 96 - 32 i.
+HAND_WRITTEN = """HloModule hand, is_scheduled=true
+
+%forward (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = f32[4,8]{1,0:S(5)} get-tuple-element(%p), index=1
+  %zero = f32[] constant(0)
+  %row = f32[1,8]{1,0} broadcast(%zero), dimensions={}
+  %c0 = s32[] constant(0)
+  %written = f32[4,8]{1,0:S(5)} dynamic-update-slice(%stack, %row, %i, %c0), WRITE
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[4,8]{1,0:S(5)}) tuple(%next, %written)
+}
+
+%back (q: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %q = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %held = f32[4,8]{1,0:S(5)} get-tuple-element(%q), index=1
+  %last = s32[] constant(3)
+  %reverse = s32[] subtract(%last, %j)
+  %d0 = s32[] constant(0)
+  %read = f32[1,8]{1,0} dynamic-slice(%held, INDEX, %d0), dynamic_slice_sizes={1,8}, READ
+  %step = s32[] constant(1)
+  %after = s32[] add(%j, %step)
+  ROOT %back = (s32[], f32[4,8]{1,0:S(5)}) tuple(%after, %held)
+}
+
+%more (c: (s32[], f32[4,8])) -> pred[] {
+  %c = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %layers = s32[] constant(4)
+  ROOT %below = pred[] compare(%k, %layers), direction=LT
+}
+
+%more.1 (c.1: (s32[], f32[4,8])) -> pred[] {
+  %c.1 = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
+  %k.1 = s32[] get-tuple-element(%c.1), index=0
+  %layers.1 = s32[] constant(4)
+  ROOT %below.1 = pred[] compare(%k.1, %layers.1), direction=LT
+}
+
+ENTRY %main () -> (s32[], f32[4,8]) {
+  %stacked = f32[4,8]{1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"
+  %start = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0:S(5)}) tuple(%start, %stacked)
+  %fwd = (s32[], f32[4,8]{1,0:S(5)}) while(%init), condition=%more, body=%forward, LOOP4
+  %saved = f32[4,8]{1,0:S(5)} get-tuple-element(%fwd), index=1
+  %again = (s32[], f32[4,8]{1,0:S(5)}) tuple(%start, %saved)
+  ROOT %bwd = (s32[], f32[4,8]{1,0:S(5)}) while(%again), condition=%more.1, body=%back, LOOPTRIP
+}
+"""
+RIGHT_WALK = '{"loop_index":"0","byte_offset":"96","byte_stride":"-32"}'
+
+
+def hand_written(index="%reverse", read=RIGHT_WALK, trip="4"):
+    def loop(n):
+        known = {"known_trip_count": {"n": n}} if n else {}
+        return "backend_config=" + json.dumps({**known, "known_init_step": {
+            "init": "0", "step": "1"}}, separators=(",", ":"))
+
+    write = '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}'
+    return (HAND_WRITTEN.replace("INDEX", index)
+            .replace("WRITE", 'backend_config={"dynamic_slice_config":%s}' % write)
+            .replace("READ", 'backend_config={"dynamic_slice_config":%s}' % read)
+            .replace("LOOP4", loop("4")).replace("LOOPTRIP", loop(trip)))
+
+
+@pytest.mark.parametrize("index, read, verdict, says", [
+    ("%reverse", RIGHT_WALK, addressing.CHECKED, "read back layer 3 first"),
+    ("%reverse", '{"loop_index":"0","byte_offset":"0","byte_stride":"0","linear":'
+                 '{"byte_offset":"96","byte_stride":"-32"}}', addressing.CHECKED,
+     "read back layer 3 first"),  # jaxlib 0.12's nesting of the same walk
+    # The descriptor walks forward, the index backward (jaxlib 0.10.2's bug):
+    ("%reverse", '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}', addressing.WRONG,
+     "read 0 (read, iteration 0 of loop bwd) means layer 3 (the loop passes index 3), but "
+     "XLA's descriptor byte_offset 0, byte_stride +32 addresses layer 0"),
+    # The descriptor walks backward, the index forward:
+    ("%j", RIGHT_WALK, addressing.WRONG, "read 0 (read, iteration 0 of loop bwd) means "
+     "layer 0 (the loop passes index 0), but XLA's descriptor byte_offset 96, byte_stride -32 "
+     "addresses layer 3"),
+    # Both walk forward, in agreement: the reads are not the reverse of the writes.
+    ("%j", '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}', addressing.WRONG,
+     "the backward pass's read 0 is layer 0, but the forward pass wrote layer 3 at step 3"),
+    ("%reverse", '{"loop_index":"0","offset_table":["96"]}', addressing.UNVERIFIED,
+     "read: a descriptor this proof does not read"),
+    ("%reverse", '{"loop_index":"1","byte_offset":"96","byte_stride":"-32"}',
+     addressing.UNVERIFIED, "read, iteration 0 of loop bwd: loop_index 1 of 1 loops"),
+])
+def test_each_half_of_the_proof_can_fail(index, read, verdict, says):
+    (proof,) = addressing.prove(hand_written(index, read))
+    assert proof.verdict == verdict and proof.detail.startswith(says), proof.detail
+
+
+def test_what_it_cannot_follow_is_never_a_pass():
+    (unknown_trip,) = addressing.prove(hand_written(trip=""))
+    assert unknown_trip.verdict == addressing.UNVERIFIED
+    assert unknown_trip.detail == "loop bwd has no known trip count"
+    (three_reads,) = addressing.prove(hand_written(trip="3"))
+    assert three_reads.verdict == addressing.UNVERIFIED
+    assert three_reads.detail.startswith("4 writes and 3 reads of 4 layers")
+
+
+def test_host_buffers_map_to_their_tags_and_a_stray_one_is_an_error():
+    value = Tagged("query_proj", (8,), jnp.dtype(jnp.float32), 4, "layers")
+    found = placement.compiled_host_buffers(hand_written(), [value])
+    assert list(found) == [("layers", "query_proj")] and found["layers", "query_proj"].holds
+    with pytest.raises(placement.PlacementError, match="no offloaded tag"):
+        placement.compiled_host_buffers(hand_written(), [])
+
+
+def test_a_gpu_run_refuses_a_step_that_reads_the_wrong_bytes(capsys):
+    """What train.py does between compiling and step 1 on GPUs, given the placement list of
+    jax 0.10.2's program: one line naming the tag, the XLA issue and the first fixed jax."""
+    (wrong,) = addressing.prove((FIXTURES / "jax-0.10.2.hlo").read_text())
+    value = Tagged("query_proj", (256, 512), jnp.dtype(jnp.float32), 4, "layers")
+    lines = [memory.TagLine(value, "offload", True, True, True, wrong)]
+    refusal = plan.addressing_refusal(lines)
+    assert refusal.startswith("the compiled step would train on wrong gradients: layers "
+                              "query_proj: addressing WRONG: read 0")
+    assert "openxla/xla #46231" in refusal and refusal.endswith(
+        f"this is jax {jax.__version__}; the bug is fixed from jax 0.11.1 on")
+    built = train.Built(*[None] * 7, lines)
+    with pytest.raises(ConfigError, match="wrong gradients"):
+        train.check_addressing(built)
+    (unverified,) = addressing.prove(hand_written(trip=""))
+    train.check_addressing(train.Built(*[None] * 7, [memory.TagLine(
+        value, "offload", True, True, True, unverified)]))
+    assert "gradients of this run are unproven" in capsys.readouterr().err
