@@ -16,17 +16,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backend  # noqa: E402  (before JAX: no CUDA plugin start-up noise without a GPU)
+from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
-import report  # noqa: E402
-import training  # noqa: E402
-from data import SyntheticTokens  # noqa: E402
+from runtime import report  # noqa: E402
+
+from runtime.data import SyntheticTokens  # noqa: E402
 from model import common  # noqa: E402
 from offload import policies  # noqa: E402
+from model import families  # noqa: E402
+from trainer import build as trainer_build  # noqa: E402
+from trainer import step as trainer_step  # noqa: E402
+from trainer import target as trainer_target  # noqa: E402
 
 def timed(fn, *args, repeats: int) -> float:
     """Median seconds per call, after one warm-up call."""
@@ -47,18 +51,20 @@ def matmul_ceiling(n: int = 2048, repeats: int = 10) -> float:
 
 def proxy_params(model):
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    return common.init_params(training.family(model).param_specs(model),
+    return common.init_params(families.of(model).param_specs(model),
                               common.AxisRules(mesh=mesh), jax.random.key(0))
 
 
 def step_time(model, run, policy_name: str, repeats: int) -> float:
     tables = None if policy_name == policies.NO_CHECKPOINT else policies.placement_tables(
-        policy_name, {}, training.scan_tags(model))
+        policy_name, {}, families.scan_tags(model))
     params = proxy_params(model)
-    optimizer = training.make_optimizer(run.optimizer, run.steps)
+    optimizer = trainer_step.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = training.make_loss(model, run, tables, rules=None, target=backend.this_machine())
-    step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer), donate_argnums=0)
+    loss = trainer_build.make_loss(model, run, tables, rules=None,
+                                   target=trainer_target.this_machine())
+    step = jax.jit(partial(trainer_step.train_step, loss=loss, optimizer=optimizer),
+                   donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
     holder = [state]
 
@@ -76,7 +82,7 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
           f"{run.seq}, compute {run.compute_dtype}, quant {run.quant}, "
           f"1 {jax.default_backend()} device; "
           f"median of {repeats} steps")
-    flops = training.family(model).training_flops(model, run.per_device_batch, run.seq)
+    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
     print(f"{'policy':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
     times = {p: step_time(model, run, p, repeats)
              for p in ("none", "remat", experiment.run.policy)}
@@ -112,9 +118,9 @@ def nvfp4_costs(model, run, repeats: int) -> None:
                                                               run.seq)[:, :-1])
 
     def logits(dtype, changes):
-        quantization = training.quantization(dataclasses.replace(run, **changes),
-                                             backend.this_machine())
-        return np.asarray(jax.jit(partial(training.family(model).forward, cfg=model,
+        quantization = trainer_target.quantization(dataclasses.replace(run, **changes),
+                                             trainer_target.this_machine())
+        return np.asarray(jax.jit(partial(families.of(model).forward, cfg=model,
                                           dtype=dtype, quantization=quantization))(
             params, tokens)[0], np.float64)
 

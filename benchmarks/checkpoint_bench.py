@@ -18,12 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backend  # noqa: E402  (before JAX: no CUDA plugin start-up noise without a GPU)
+from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
 import jax  # noqa: E402
 
-import checkpoints  # noqa: E402
+from runtime import checkpoints  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
+from runtime import setup as runtime_setup  # noqa: E402
+from trainer import target as trainer_target  # noqa: E402
 
 INTERVALS = (0, 1, 10)  # checkpoint_every: none, every step, a realistic interval
 
@@ -31,18 +33,19 @@ INTERVALS = (0, 1, 10)  # checkpoint_every: none, every step, a realistic interv
 def mean_step_s(name: str, args: list[str], out_dir: str) -> float:
     """Mean step time over steps 2..N of a run (the mean, not the median: a save every N
     steps costs on those steps only)."""
-    target = backend.this_machine()
+    target = trainer_target.this_machine()
     with contextlib.redirect_stdout(io.StringIO()):
-        train.train(train.resolve(name, [*args, f"out_dir={out_dir}"], target.devices), target)
+        setup = runtime_setup.resolve(name, [*args, f"out_dir={out_dir}"], target.devices)
+        train.train(setup, target)
     (run_dir,) = Path(out_dir).iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.mean(r["step_s"] for r in records[1:])
 
 
 def save_and_restore(name: str, args: list[str], directory: Path) -> dict:
-    target = backend.this_machine()
-    setup = train.resolve(name, args, target.devices)
-    state, _ = train.start_state(setup, target)
+    target = trainer_target.this_machine()
+    setup = runtime_setup.resolve(name, args, target.devices)
+    state, _ = runtime_setup.start_state(setup, target)
     nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
     saver = checkpoints.Saver(directory, keep=1, every=1)
     started = time.perf_counter()
@@ -52,7 +55,7 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> dict:
     on_disk = time.perf_counter() - started
     setup.resume = checkpoints.find(str(directory), "", "")
     started = time.perf_counter()
-    jax.block_until_ready(train.start_state(setup, target)[0])
+    jax.block_until_ready(runtime_setup.start_state(setup, target)[0])
     return {"bytes": nbytes, "blocking_s": blocking, "save_s": on_disk,
             "restore_s": time.perf_counter() - started}
 

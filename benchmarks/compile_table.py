@@ -2,7 +2,7 @@
 
     python benchmarks/compile_table.py [EXPERIMENT ...] [key=value ...]
 
-Each row goes through `train.build` on compile-only devices, as `make compile-ROW` does:
+Each row goes through `runtime_setup.build` on compile-only devices, as `make compile-ROW` does:
 XLA's per-device memory of the compiled step beside the static plan, the study's figure where
 it gives one, and whether the step fits the memory JAX takes of the GPU.
 """
@@ -13,11 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backend  # noqa: E402  (before JAX: no CUDA plugin start-up noise without a GPU)
+from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
 import configs  # noqa: E402
-import train  # noqa: E402
 from configs.gpus import GPUS  # noqa: E402
-from offload import memory  # noqa: E402
+from analysis import memory  # noqa: E402
+from runtime import setup as runtime_setup  # noqa: E402
+from trainer import target as trainer_target  # noqa: E402
 
 GiB = 2**30
 ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
@@ -29,12 +30,12 @@ STUDY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
 
 def row(name: str, overrides: list[str], targets: dict) -> list[str]:
     started = time.perf_counter()
-    setup = train.resolve(name, overrides, full=True)
+    setup = runtime_setup.resolve(name, overrides, full=True)
     run = setup.run
     key = (run.device, run.mesh.data * run.mesh.fsdp)
     if key not in targets:
-        targets[key] = backend.compile_only(GPUS[key[0]], key[1])
-    built = train.build(setup, targets[key])
+        targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
+    built = runtime_setup.build(setup, targets[key])
     compiled = memory.CompiledMemory.of(built.compiled)
     static = built.full_plan
     usable = backend.pool_bytes(GPUS[run.device])

@@ -26,15 +26,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backend  # noqa: E402  (before JAX: it sets the GPU memory fraction the trainer uses)
+from runtime import backend  # noqa: E402,F401  (before JAX: it sets the GPU memory fraction the trainer uses)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import configs  # noqa: E402
-import training  # noqa: E402
+
 from model import common, llama, quant  # noqa: E402
-from offload import addressing, policies  # noqa: E402
+from analysis import addressing  # noqa: E402
+from offload import policies  # noqa: E402
+from trainer import step as trainer_step  # noqa: E402
+from trainer import target as trainer_target  # noqa: E402
 
 ROWS = configs.COMPARISONS["llama405b-compare"]
 WIDE = dataclasses.replace(configs.get("llama405b-offload").model, n_layers=3)
@@ -43,19 +46,19 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
 
 
 def value_and_grad_fn(model, tables, dtype, run):
-    """Forward + backward as a run on this machine computes it (training.forward_options:
+    """Forward + backward as a run on this machine computes it (trainer_target.forward_options:
     cuDNN's fused attention on a GPU in bf16, the run's NVFP4 path), with the run's flags."""
-    target = backend.this_machine()
+    target = trainer_target.this_machine()
     run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name)
-    loss = partial(training.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
-                   rules=None, dtype=dtype, **training.forward_options(model, run, 1, target))
+    loss = partial(trainer_step.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
+                   rules=None, dtype=dtype, **trainer_target.forward_options(model, run, 1, target))
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
-                   compiler_options=training.compiler_options(run, target) or None)
+                   compiler_options=trainer_target.compiler_options(run, target) or None)
 
 
 def row_tables(name: str):
     return policies.placement_tables(configs.get(name).run.policy, {},
-                                     policies.SCAN_TAGS["llama"])
+                                     llama.SCANS)
 
 
 def random_params(model, dtype):
@@ -75,7 +78,7 @@ def check_gradients(smoke: bool) -> list[dict]:
         results, references = [], {}
         for name in ROWS:
             run = configs.get(name).run
-            quantization = training.quantization(run, backend.this_machine())
+            quantization = trainer_target.quantization(run, trainer_target.this_machine())
             if quantization not in references:  # no checkpointing, no flags, same weights
                 plain = value_and_grad_fn(model, None, jnp.float32,
                                           dataclasses.replace(run, xla_flags={}))
@@ -143,7 +146,7 @@ def check_nvfp4() -> list[str]:
     lines = [f"nvfp4 dequantize path, {jax.default_backend()} vs cpu: max|diff| "
              f"{np.abs(here - there).max() / scale:.2e} of max|logit|  "
              f"{'OK' if np.abs(here - there).max() <= 1e-5 * scale else 'WRONG'}"]
-    if backend.this_machine().blackwell:
+    if trainer_target.this_machine().blackwell:
         scaled, dequantized = logits("scaled", jnp.bfloat16), logits("dequantize", jnp.bfloat16)
         lines.append(f"nvfp4 scaled (FP4 tensor cores) vs dequantize path, bf16: rel. error "
                      f"{np.linalg.norm(scaled - dequantized) / np.linalg.norm(dequantized):.3f}")

@@ -75,6 +75,23 @@ class ParamSpec:
     std: float | None = None  # normal(0, std), zeros for 0; None means ones (norm weights)
 
 
+@dataclasses.dataclass(frozen=True)
+class HfTensor:
+    """Where a parameter lies in a Hugging Face checkpoint. `name` holds {layer} and {expert}
+    for the indices of a stacked entry (the HF layer number is `first_layer` + ours). A
+    `linear` weight is stored [out, in]: ours is it transposed, its in axis split into our
+    first `n_in` axes (after the stacked ones), its out axis into the rest. `fused` names the
+    tensor that holds every routed expert's weight at once, [experts, rows, in] (as
+    transformers keeps them in memory), and which of its equal row blocks is ours; `tied`, the
+    tensor read when `name` is absent (tied embeddings)."""
+    name: str
+    linear: bool = False
+    n_in: int = 1
+    first_layer: int = 0
+    fused: tuple[str, int, int] | None = None  # (name, block, blocks)
+    tied: str = ""
+
+
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
     """The same parameter for n layers, stacked on a leading `layers` axis (scanned over)."""
     return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.std)

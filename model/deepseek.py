@@ -3,7 +3,7 @@ layer, a dense SwiGLU in the first `n_dense_layers`, routed + shared experts aft
 and the MoE layers are two scans, each with its own checkpoint policy.
 
 Letters: B batch, T sequence, D d_model, N heads, R LoRA rank, E routed experts, F MLP width,
-V vocab. Tags use MaxText's names and positions.
+V vocab. Tags use MaxText's names and positions. The family's parts as in model/llama.py.
 """
 
 import math
@@ -14,14 +14,24 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          einsum, layer_weights, param_count, rms_norm, rope_tables, scan_layers,
-                          stack, swiglu, unembed, yarn_attention_factor, yarn_frequencies,
-                          yarn_mscale)
+from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
+                          constrain, einsum, layer_weights, param_count, rms_norm, rope_tables,
+                          scan_layers, stack, swiglu, unembed, yarn_attention_factor,
+                          yarn_frequencies, yarn_mscale)
 from model.config import DeepSeekConfig
 from model.experts import EXPERT_PATHS, ExpertParallel, experts_exchanged
 from model.quant import Quantization
 
+CONFIG = DeepSeekConfig
+HF_TYPE = "deepseek_v3"
+# The two layer scans and their tags in layer order (the only lists; the tests check them
+# against the traced model). The MoE layer's shared expert is a SwiGLU (mlpwi_*); the routed
+# experts are moe_mlpwi_*.
+_MLA_TAGS = ("decoder_layer_input", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
+             "query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
+SCANS = {"dense_layers": (*_MLA_TAGS, "mlpwi_0", "mlpwi_1", "mlpwo"),
+         "moe_layers": (*_MLA_TAGS, "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1",
+                        "moe_mlpwo")}
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm ignore the config's eps
 
 
@@ -244,9 +254,6 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
     return rope_tables(seq_len, freqs, dtype, yarn_attention_factor(yarn))
 
 
-SCANS = ("dense_layers", "moe_layers")  # parameter subtrees and named_scopes of the scans
-
-
 def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
            dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
            expert_parallel: ExpertParallel | None = None,
@@ -287,6 +294,48 @@ def forward(params, tokens, cfg: DeepSeekConfig, **options):
     these are), the final norm and the LM head."""
     x, stats = decode(params, tokens, cfg, **options)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
+
+
+def hf_tensors(cfg: DeepSeekConfig) -> dict:
+    """Each parameter's tensor in a Hugging Face `DeepseekV3ForCausalLM` checkpoint. Routed
+    experts are stored one tensor per expert (the released checkpoint) or fused by expert
+    (`experts.gate_up_proj` [E, 2F, D] and `experts.down_proj`, as transformers keeps them);
+    layers after the model's own (multi-token prediction) are not read."""
+    def of(first: int):
+        def tensor(name: str, n_in: int = 0, fused=None) -> HfTensor:
+            return HfTensor(f"model.layers.{{layer}}.{name}.weight", bool(n_in), n_in or 1,
+                            first, fused and (f"model.layers.{{layer}}.{fused[0]}", *fused[1:]))
+        return tensor
+
+    def layer(first: int, mlp: dict) -> dict:
+        t = of(first)
+        query = ({"wq": t("self_attn.q_proj", 1)} if cfg.q_lora_rank is None else
+                 {"wq_a": t("self_attn.q_a_proj", 1), "q_norm": t("self_attn.q_a_layernorm"),
+                  "wq_b": t("self_attn.q_b_proj", 1)})
+        return {"attn_norm": t("input_layernorm"), **query,
+                "wkv_a": t("self_attn.kv_a_proj_with_mqa", 1),
+                "kv_norm": t("self_attn.kv_a_layernorm"), "wkv_b": t("self_attn.kv_b_proj", 1),
+                "wo": t("self_attn.o_proj", 2), "mlp_norm": t("post_attention_layernorm"), **mlp}
+
+    def swiglu_of(first: int, prefix: str) -> dict:
+        tensor = of(first)
+        return {f"w_{part}": tensor(f"{prefix}{part}_proj", 1) for part in ("gate", "up", "down")}
+
+    moe, fused = of(cfg.n_dense_layers), "mlp.experts.gate_up_proj"
+    experts = {"we_gate": moe("mlp.experts.{expert}.gate_proj", 1, (fused, 0, 2)),
+               "we_up": moe("mlp.experts.{expert}.up_proj", 1, (fused, 1, 2)),
+               "we_down": moe("mlp.experts.{expert}.down_proj", 1, ("mlp.experts.down_proj", 0, 1))}
+    return {
+        "embed": HfTensor("model.embed_tokens.weight"),
+        "dense_layers": layer(0, swiglu_of(0, "mlp.")),
+        "moe_layers": layer(cfg.n_dense_layers, {
+            "router": moe("mlp.gate", 1), "router_bias": HfTensor(
+                "model.layers.{layer}.mlp.gate.e_score_correction_bias",
+                first_layer=cfg.n_dense_layers),
+            **experts, **swiglu_of(cfg.n_dense_layers, "mlp.shared_experts.")}),
+        "final_norm": HfTensor("model.norm.weight"),
+        "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight"),
+    }
 
 
 def _matmul_weights_per_token(cfg: DeepSeekConfig) -> float:

@@ -3,17 +3,29 @@
 Letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff,
 V vocab, L layers. Tags (`checkpoint_name`) use MaxText's names and positions, so a
 checkpoint policy can keep, offload or recompute each tensor by name.
+
+The family's parts that the rest of the trainer reads (found through `model.families`):
+CONFIG, SCANS (its layer scans and their tags), UNQUANTIZED, param_specs, decode, forward,
+training_flops, and HF_TYPE and hf_tensors (its Hugging Face names).
 """
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from model.common import (AxisRules, ParamSpec, apply_rope, causal_attention, constrain,
-                          einsum, layer_weights, param_count, rms_norm, rope_frequencies,
-                          rope_tables, scan_layers, stack, swiglu, unembed)
+from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
+                          constrain, einsum, layer_weights, param_count, rms_norm,
+                          rope_frequencies, rope_tables, scan_layers, stack, swiglu, unembed)
 from model.quant import Quantization
 from model.config import LlamaConfig
+
+CONFIG = LlamaConfig
+HF_TYPE = "llama"  # config.json's model_type
+# The layer scan (named as its parameter subtree and its named_scope) and its tags in layer
+# order: the only list of them, checked against the traced model by the tests.
+SCANS = {"layers": ("decoder_layer_input", "query_proj", "key_proj", "value_proj",
+                    "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")}
+UNQUANTIZED = ()  # quant=nvfp4 multiplies every layer matrix in NVFP4
 
 
 def param_specs(cfg: LlamaConfig) -> dict:
@@ -60,10 +72,6 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
         return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
 
 
-SCANS = ("layers",)  # the layer scan, named as its parameter subtree and its named_scope
-UNQUANTIZED = ()  # quant=nvfp4 multiplies every layer matrix in NVFP4
-
-
 def decode(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
            dtype=jnp.bfloat16, attention: str | None = None,
            quantization: Quantization | None = None):
@@ -93,6 +101,24 @@ def forward(params, tokens, cfg: LlamaConfig, **options):
     the final norm and the LM head."""
     x, stats = decode(params, tokens, cfg, **options)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
+
+
+def hf_tensors(cfg: LlamaConfig) -> dict:
+    """Each parameter's tensor in a Hugging Face `LlamaForCausalLM` checkpoint."""
+    def layer(name: str, n_in: int = 0) -> HfTensor:
+        return HfTensor(f"model.layers.{{layer}}.{name}.weight", bool(n_in), n_in or 1)
+
+    return {
+        "embed": HfTensor("model.embed_tokens.weight"),
+        "layers": {"attn_norm": layer("input_layernorm"), "wq": layer("self_attn.q_proj", 1),
+                   "wk": layer("self_attn.k_proj", 1), "wv": layer("self_attn.v_proj", 1),
+                   "wo": layer("self_attn.o_proj", 2),
+                   "mlp_norm": layer("post_attention_layernorm"),
+                   "w_gate": layer("mlp.gate_proj", 1), "w_up": layer("mlp.up_proj", 1),
+                   "w_down": layer("mlp.down_proj", 1)},
+        "final_norm": HfTensor("model.norm.weight"),
+        "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight"),
+    }
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:

@@ -1,4 +1,4 @@
-"""The tag vocabulary, placement tables and the `jax.checkpoint` policies they become.
+"""Placement tables and the `jax.checkpoint` policies they become.
 
 A placement table maps a tag (a `checkpoint_name` in the model) to where its value waits
 between the forward and the backward pass:
@@ -12,24 +12,11 @@ from collections.abc import Mapping
 
 import jax
 
-# The only lists of tag names, per layer scan; tests check them against the traced models.
-LLAMA_TAGS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out",
-              "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
-_MLA_TAGS = ("decoder_layer_input", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
-             "query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
-DEEPSEEK_DENSE_TAGS = (*_MLA_TAGS, "mlpwi_0", "mlpwi_1", "mlpwo")
-# The MoE layer's shared expert is a SwiGLU (mlpwi_*); the routed experts are moe_mlpwi_*.
-DEEPSEEK_MOE_TAGS = (*DEEPSEEK_DENSE_TAGS, "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
 PLACEMENTS = ("device", "offload", "remat")
 # Every checkpointed layer keeps its input (the point its recomputation starts from): on
-# device unless this tag is offloaded. "remat" cannot apply to it.
+# device unless this tag is offloaded. "remat" cannot apply to it. Each model family's scans
+# list their tags (model/llama.py, model/deepseek.py), this one first.
 LAYER_INPUT = "decoder_layer_input"
-
-# Each model family's layer scans (named as their parameter subtrees) and the tags in each.
-SCAN_TAGS = {
-    "llama": {"layers": LLAMA_TAGS},
-    "deepseek": {"dense_layers": DEEPSEEK_DENSE_TAGS, "moe_layers": DEEPSEEK_MOE_TAGS},
-}
 
 # Named tables. A flat table applies to every scan that has the tag; a table of tables is per
 # scan. "none" is not a table: it turns checkpointing off (autodiff keeps everything).

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model.hf import load_checkpoint  # noqa: E402
-from model.hf_export import write_checkpoint  # noqa: E402
+from hf.load import load_checkpoint  # noqa: E402
+from hf.save import write_checkpoint  # noqa: E402
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ if "OFFLOAD_TRAINER_TEST_CACHE" not in os.environ:
 else:
     _OWNER = False
 
-import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
+from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")

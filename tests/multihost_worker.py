@@ -18,20 +18,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backend  # noqa: E402  (before JAX)
+from runtime import backend  # noqa: E402,F401  (before JAX)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-import checkpoints  # noqa: E402
+from runtime import checkpoints  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
-import training  # noqa: E402
+
 from model import common  # noqa: E402
 from model.config import DeepSeekConfig  # noqa: E402
-from model.hf import open_checkpoint  # noqa: E402
+from hf.load import open_checkpoint  # noqa: E402
+from model import families  # noqa: E402
+from runtime import setup as runtime_setup  # noqa: E402
+from trainer import build as trainer_build  # noqa: E402
+from trainer import target as trainer_target  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py, which the
 jax.config.update("jax_default_matmul_precision", "highest")  # reference runs under
@@ -50,8 +54,8 @@ IMPORTS = {"llama_gqa": False, "deepseek_yarn": True}  # fixture -> expert paral
 
 def shardings(cfg, expert_parallel: bool, mesh):
     """The parameters' shardings as a run makes them (FSDP, experts split or not)."""
-    rules = training.axis_rules(configs.RunConfig(expert_parallel=expert_parallel), mesh)
-    return common.param_shardings(training.family(cfg).param_specs(cfg), rules)
+    rules = trainer_build.axis_rules(configs.RunConfig(expert_parallel=expert_parallel), mesh)
+    return common.param_shardings(families.of(cfg).param_specs(cfg), rules)
 
 
 def sharded_import(fixture: str, expert_parallel: bool, mesh) -> dict:
@@ -83,7 +87,7 @@ def logits_fn(cfg, mesh):
     """The model's logits, jitted, replicated on `mesh` (every expert on every token for
     DeepSeek: plain XLA, partitioned as the parameters are)."""
     options = {"expert_path": "dense"} if isinstance(cfg, DeepSeekConfig) else {}
-    forward = training.family(cfg).forward
+    forward = families.of(cfg).forward
     return jax.jit(lambda p, t: forward(p, t, cfg, dtype=jnp.float32, **options)[0],
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
@@ -92,9 +96,9 @@ def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
     """The parameters of a checkpoint of RUNS["deepseek"], restored onto this cluster's
     devices as a resumed run places them, then gathered whole."""
     argv = RUNS["deepseek"]
-    setup = train.resolve(argv[0], argv[1:], jax.devices())
+    setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
     setup.resume = checkpoints.find(str(checkpoint), "", "")
-    state, _ = train.start_state(setup, backend.this_machine())
+    state, _ = runtime_setup.start_state(setup, trainer_target.this_machine())
     return flat(multihost_utils.process_allgather(state["params"], tiled=True))
 
 

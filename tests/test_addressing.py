@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import backend
-import plan
-import train
+from analysis import plan
 from configs import ConfigError
 from configs.gpus import GPUS
-from offload import addressing, memory, placement
-from offload.trace import Tagged
+from analysis import addressing, memory, placement
+from analysis.trace import Tagged
 from tools import offload_probe
+from runtime import setup as runtime_setup
+from trainer import target as trainer_target
 
 FIXTURES = offload_probe.FIXTURES
 
@@ -27,7 +27,7 @@ FIXTURES = offload_probe.FIXTURES
 def test_the_pinned_jax_reads_host_buffers_back_in_reverse_layer_order(options, remat3):
     """Also under JAX's next remat implementation (jax_remat3), which matches policies by the
     class of their answer."""
-    devices = backend.compile_only(GPUS["h200"], 1).devices
+    devices = trainer_target.compile_only(GPUS["h200"], 1).devices
     jax.config.update("jax_remat3", remat3)
     try:
         hlo = offload_probe.compile_probe(devices, options)
@@ -177,10 +177,10 @@ def test_a_gpu_run_refuses_a_step_that_reads_the_wrong_bytes(capsys):
                               "query_proj: addressing WRONG: read 0")
     assert "openxla/xla #46231" in refusal and refusal.endswith(
         f"this is jax {jax.__version__}; the bug is fixed from jax 0.11.1 on")
-    built = train.Built(*[None] * 7, lines)
+    built = runtime_setup.Built(*[None] * 7, lines)
     with pytest.raises(ConfigError, match="wrong gradients"):
-        train.check_addressing(built)
+        runtime_setup.check_addressing(built)
     (unverified,) = addressing.prove(hand_written(trip=""))
-    train.check_addressing(train.Built(*[None] * 7, [memory.TagLine(
+    runtime_setup.check_addressing(runtime_setup.Built(*[None] * 7, [memory.TagLine(
         value, "offload", True, True, True, unverified)]))
     assert "gradients of this run are unproven" in capsys.readouterr().err

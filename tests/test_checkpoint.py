@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import training
+
 from model import common
-from model.checkpoint import Reader
-from model.hf import open_checkpoint
+from hf.safetensors import Reader
+from hf.load import open_checkpoint
+from model import families
 
 FIXTURES = "tests/fixtures"
 
@@ -22,7 +23,7 @@ def whole_and_sharded(directory, rules_of_mesh):
     """(every parameter read whole, the same parameters read as the shards of `rules`)."""
     cfg, checkpoint = open_checkpoint(directory)
     mesh = common.make_mesh((2, 4), ("data", "fsdp"))
-    specs = training.family(cfg).param_specs(cfg)
+    specs = families.of(cfg).param_specs(cfg)
     shardings = common.param_shardings(specs, rules_of_mesh(mesh))
     sharded = checkpoint.arrays(shardings, np.float32)
     return checkpoint.read(), jax.tree.map(np.asarray, sharded)

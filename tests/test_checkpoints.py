@@ -15,13 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-import backend
-import checkpoints
+from runtime import checkpoints
 import train
-import training
+
 from model import common
-from model.hf import load_checkpoint
-from model.hf_export import write_checkpoint
+from hf.load import load_checkpoint
+from hf.save import write_checkpoint
+from model import families
+from runtime import setup as runtime_setup
+from trainer import target as trainer_target
 
 # Proxy runs of the real experiments: 2 layers, 32 tokens, 8 devices x batch 2, 4 steps.
 SMALL = ["steps=4", "seq=32", "model.n_layers=2", "model.vocab=512"]
@@ -79,8 +81,8 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     assert json.loads((whole / "summary.json").read_text())["median_step_s"] > 0
     assert list(losses(resumed)) == [3, 4]
     assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
-    setup = train.resolve("llama405b-offload", SMALL, jax.devices())
-    specs = training.family(setup.model).param_specs(setup.model)
+    setup = runtime_setup.resolve("llama405b-offload", SMALL, jax.devices())
+    specs = families.of(setup.model).param_specs(setup.model)
     like = common.abstract_params(specs)
     final = saved_params(whole / "checkpoints" / "4", like)
     assert_bit_identical(final, saved_params(resumed / "checkpoints" / "4", like))
@@ -88,9 +90,9 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     # Saved on 8 devices (fsdp 8), restored on 4 (fsdp 4) and on data 2 x fsdp 4.
     source = checkpoints.find(str(whole), "", "")
     for devices, mesh in ((4, ["mesh.fsdp=4"]), (8, ["mesh.data=2", "mesh.fsdp=4"])):
-        target = dataclasses.replace(backend.this_machine(), devices=jax.devices()[:devices])
-        setup = train.resolve("llama405b-offload", [*SMALL, *mesh], target.devices)
-        state, step = train.start_state(dataclasses.replace(setup, resume=source), target)
+        target = dataclasses.replace(trainer_target.this_machine(), devices=jax.devices()[:devices])
+        setup = runtime_setup.resolve("llama405b-offload", [*SMALL, *mesh], target.devices)
+        state, step = runtime_setup.start_state(dataclasses.replace(setup, resume=source), target)
         assert step == 4 and int(state["step"]) == 4
         assert state["params"]["embed"].sharding.mesh.devices.size == devices
         assert_bit_identical(jax.tree.map(np.asarray, state["params"]), final)
@@ -112,8 +114,8 @@ def test_deepseek_resume_with_router_bias_updates_is_bit_identical(tmp_path, cap
     assert all(r["expert_load_max_over_mean"] >= 1 for r in records)
     assert all(0 <= r["expert_dropped"] < 1 for r in records)
     assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
-    setup = train.resolve("deepseek671b-offload", SMALL, jax.devices())
-    like = common.abstract_params(training.family(setup.model).param_specs(setup.model))
+    setup = runtime_setup.resolve("deepseek671b-offload", SMALL, jax.devices())
+    like = common.abstract_params(families.of(setup.model).param_specs(setup.model))
     final = saved_params(whole / "checkpoints" / "4", like)
     assert_bit_identical(final, saved_params(resumed / "checkpoints" / "4", like))
     start = saved_params(whole / "checkpoints" / "2", like)

@@ -10,14 +10,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import backend
-import training
+
 from model import common, deepseek
-from model.checkpoint import dequantize_fp8
+from hf.safetensors import dequantize_fp8
 from model.config import DeepSeekConfig, YarnScaling
-from model.hf import load_checkpoint
+from hf.load import load_checkpoint
 from offload import policies
-from offload.trace import tagged_values
+from analysis.trace import tagged_values
+import configs
+from trainer import build as trainer_build
+from trainer import step as trainer_step
+from trainer import target as trainer_target
 
 FIXTURES = "tests/fixtures"
 V3 = DeepSeekConfig(vocab=129_280, d_model=7168, n_layers=61, n_dense_layers=3, n_heads=128,
@@ -42,7 +45,7 @@ def test_logits_and_loss_match_hugging_face(name, expert_path):
                                  expert_path=expert_path)
     reference = expected["logits"]
     assert np.abs(np.asarray(logits) - reference).max() <= 1e-4 * np.abs(reference).max()
-    loss = training.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
+    loss = trainer_step.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
 
 
@@ -157,7 +160,7 @@ def test_tags_of_both_scans_are_the_tag_lists():
     for path in deepseek.EXPERT_PATHS:
         found = tagged_values(lambda p, t: deepseek.forward(p, t, TINY, expert_path=path),
                               abstract, toks)
-        for count, tags in [(1, policies.DEEPSEEK_DENSE_TAGS), (2, policies.DEEPSEEK_MOE_TAGS)]:
+        for count, tags in [(1, deepseek.SCANS["dense_layers"]), (2, deepseek.SCANS["moe_layers"])]:
             sites = [s for sites in found.values() for s in sites if s.count == count]
             assert sorted(s.tag for s in sites) == sorted(tags)  # each tag exactly once
 
@@ -173,16 +176,16 @@ def tiny_params(cfg=TINY, seed=0):
 @jax.jit(static_argnums=(2, 3))
 def loss_and_grads(params, batch, tables, expert_path):
     tables = None if tables is None else {s: dict(t) for s, t in tables}
-    loss = training.make_loss(TINY, dataclasses.replace(RUN, expert_path=expert_path), tables,
-                              rules=None, target=backend.Target("cpu"))
+    loss = trainer_build.make_loss(TINY, dataclasses.replace(RUN, expert_path=expert_path), tables,
+                              rules=None, target=trainer_target.Target("cpu"))
     return jax.value_and_grad(lambda p: loss(p, batch)[0])(params)
 
 
-RUN = training.RunConfig(compute_dtype="float32", balance_loss_weight=0.01)
-DEEPSEEK_TABLES = {name: policies.placement_tables(name, {}, policies.SCAN_TAGS["deepseek"])
+RUN = configs.RunConfig(compute_dtype="float32", balance_loss_weight=0.01)
+DEEPSEEK_TABLES = {name: policies.placement_tables(name, {}, deepseek.SCANS)
                    for name in ("remat", "dsv3_offload", "dsv3_device")}
 DEEPSEEK_TABLES["all_offload"] = {scan: {t: "offload" for t in tags}
-                                  for scan, tags in policies.SCAN_TAGS["deepseek"].items()}
+                                  for scan, tags in deepseek.SCANS.items()}
 
 
 def _hashable(tables):
@@ -224,12 +227,13 @@ def test_balance_loss_matches_the_papers_formula():
 
 @pytest.mark.parametrize("preset", ["dsv3_offload", "dsv3_device", "remat"])
 def test_the_exported_program_offloads_exactly_the_table_in_both_scans(preset):
-    import plan
+    from analysis import memory
+    from analysis.traced import TracedStep
     from configs.deepseek_v3 import DEEPSEEK_V3, PROXY_V3, STUDY_V3
-    tables = policies.placement_tables(preset, {}, policies.SCAN_TAGS["deepseek"])
+    tables = policies.placement_tables(preset, {}, deepseek.SCANS)
     for model, mesh in [(DEEPSEEK_V3, (1, 128)), (PROXY_V3, (1, 8))]:
         run = dataclasses.replace(STUDY_V3, seq=256 if model is PROXY_V3 else STUDY_V3.seq)
-        lines = plan.Program(model, run, tables, mesh).tag_lines()
+        lines = memory.tag_lines(TracedStep(model, run, mesh), tables)
         wanted = {(scan, t) for scan, table in tables.items() for t, p in table.items()
                   if p == "offload"} - {(scan, "mlpwo") for scan in tables}
         assert {(x.value.scan, x.value.tag) for x in lines if x.offloaded} == wanted
@@ -240,13 +244,13 @@ def test_the_plan_shows_the_studys_deepseek_memory_facts():
     """experiments.md, DeepSeek row 4 and its note: saving the selected activations on device
     fits at micro batch 2, not at 8; offloading them fits at 8, with host memory to spare.
     Full scale, 128 GB200s, experts split over the GPUs."""
-    import plan
+    from analysis import plan
     from configs import get
     fits = {}
     for name in ("deepseek671b-device", "deepseek671b-device-mb8", "deepseek671b-offload"):
         experiment = get(name)
         tables = policies.placement_tables(experiment.run.policy, {},
-                                           policies.SCAN_TAGS["deepseek"])
+                                           deepseek.SCANS)
         fits[name] = plan.full_scale(experiment, tables)
     assert fits["deepseek671b-device"].fits
     assert fits["deepseek671b-device-mb8"].peak_estimate > fits["deepseek671b-device-mb8"].capacity
@@ -257,10 +261,12 @@ def test_the_plan_shows_the_studys_deepseek_memory_facts():
 def test_the_plan_keeps_a_devices_own_experts_whole():
     """Under expert parallelism a device holds its experts whole: the plan must not divide
     what it saves of them (their bf16 casts, without checkpointing) by the fsdp size again."""
-    import plan
+    from analysis import memory
+    from analysis.traced import TracedStep
     run = dataclasses.replace(RUN, policy="none", expert_parallel=True, seq=16,
                               per_device_batch=1, compute_dtype="bfloat16")
-    memory = plan.Program(TINY, run, None, (1, 2)).memory_plan(10**12, 10**12)
+    step = TracedStep(TINY, run, (1, 2))
+    memory = memory.plan(step, None, memory.tag_lines(step, None), 10**12, 10**12)
     own = (TINY.n_moe_layers, TINY.n_experts // 2, TINY.d_model, TINY.moe_d_ff)
     assert TINY.n_moe_layers % 2 == 0  # what the old arithmetic would have halved
     assert own in {r.shape for r in memory.residuals}

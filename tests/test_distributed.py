@@ -13,12 +13,13 @@ import jax
 import pytest
 from jax._src import clusters  # JAX's own detection: the reference for ours
 
-import distributed
-import plan
+from runtime import distributed
+from analysis import plan
 import train
 from configs import ConfigError
-from distributed import Launch
+from runtime.distributed import Launch
 from cluster import PortTaken, launch
+from runtime import setup as runtime_setup
 
 SLURM_STEP = {"SLURM_JOB_ID": "123456", "SLURM_STEP_NODELIST": "gpu-[007-010,012],cpu1",
               "SLURM_NTASKS": "32", "SLURM_STEP_NUM_NODES": "32", "SLURM_PROCID": "5",
@@ -188,7 +189,7 @@ def test_slurm_scripts_reach_the_detection(script, gpus, tmp_path):
     result = subprocess.run([SCRIPTS / script, *args], env={**env, **batch_step},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    setup = train.resolve(args[0], args[1:], full=True)
+    setup = runtime_setup.resolve(args[0], args[1:], full=True)
     per_gpu = round(plan.full_scale(setup.experiment, setup.tables).host_activations / 2**30, 1)
     pool = max(64, math.ceil(per_gpu * (gpus // (nodes * per_node)) * 1.1))
     task = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines()

@@ -12,15 +12,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import backend
+from runtime import backend
 import configs
-import plan
-import report
+from analysis import plan
+from runtime import report
 import train
 from configs.gpus import GPUS
 from model import common
 from model.config import DeepSeekConfig
-from offload import memory, trace
+from analysis import memory, trace
+from runtime import setup as runtime_setup
+from trainer import target as trainer_target
 
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,18 +56,18 @@ IN_HOST_MEMORY = {
 
 
 @functools.cache
-def gpus(name: str, count: int) -> backend.Target:
-    return backend.compile_only(GPUS[name], count)
+def gpus(name: str, count: int) -> trainer_target.Target:
+    return trainer_target.compile_only(GPUS[name], count)
 
 
-def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> train.Built:
+def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> runtime_setup.Built:
     """What `python train.py NAME ...` does on the experiment's own GPUs (or `device`s) up to
     its first step: resolve against the devices there, then build."""
     run = configs.get(name).run
     target = gpus(device or run.device, run.mesh.data * run.mesh.fsdp)
-    setup = train.resolve(name, overrides, target.devices)
+    setup = runtime_setup.resolve(name, overrides, target.devices)
     assert setup.scale == "full"
-    return train.build(setup, target)
+    return runtime_setup.build(setup, target)
 
 
 def custom_call_operands(hlo: str, target: str) -> list[list[tuple[int, ...]]]:
@@ -132,7 +134,7 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
     assert asked == {tag for _, tag in LLAMA_QKV}
     assert not any(line.in_host_memory for line in built.run_tags)
     assert memory.CompiledMemory.of(built.compiled).host == 0
-    setup = train.resolve("llama8b-offload", overrides, built.target.devices)
+    setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
     report.RunLog(setup, built, batch_size=16, flops=1e12)
     out = capsys.readouterr().out
     assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
@@ -150,10 +152,10 @@ def test_sorted_experts_compile_for_a_gpu():
     H200s, through a run's own path. Its 3 MoE layers keep their tensors in host memory; its
     one dense layer cannot (a one-layer scan)."""
     target = gpus("h200", 8)
-    setup = train.resolve("deepseek671b-offload", ["scale=proxy", "compute_dtype=bfloat16"],
+    setup = runtime_setup.resolve("deepseek671b-offload", ["scale=proxy", "compute_dtype=bfloat16"],
                           target.devices)
     assert not setup.run.expert_parallel
-    built = train.build(setup, target)
+    built = runtime_setup.build(setup, target)
     hlo = built.compiled.as_text()
     assert "ragged_dot" in hlo and custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
     assert {(line.value.scan, line.value.tag) for line in built.run_tags
@@ -164,7 +166,7 @@ def test_cudnn_takes_mla_attention_unpadded():
     """The cuDNN path traced for a Hopper target: q/k 192 wide, v 128, no pad of v."""
     q = jax.ShapeDtypeStruct((1, 256, 4, 192), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
-    with backend.kernel_checks(gpus("h200", 8)):
+    with trainer_target.kernel_checks(gpus("h200", 8)):
         jaxpr = jax.make_jaxpr(lambda q, k, v: common.causal_attention(
             q, k, v, implementation="cudnn"))(q, q, v)
     assert jaxpr.out_avals[0].shape == (1, 256, 4, 128)
@@ -177,7 +179,7 @@ def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
     gpu = GPUS["gb200"]
     assert gpu.memory == 197_897_748_480  # the spec's device_memory_size: 184.3 GiB
     experiment = configs.get("deepseek671b-offload")
-    tables = train.placement_tables(experiment.model, experiment.run)
+    tables = runtime_setup.placement_tables(experiment.model, experiment.run)
     assert backend.pool_bytes(gpu) == int(0.95 * gpu.memory)
     assert plan.full_scale(experiment, tables).fits
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.75")
@@ -186,7 +188,8 @@ def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
 
 
 def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
-    code = ("import backend, os; backend.this_machine(); "
+    code = ("from runtime import backend; import os; from trainer import target; "
+            "target.this_machine(); "
             "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), backend.memory_fraction())")
     env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k}
 

@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import training
+
 from configs.llama3 import LLAMA31_8B, LLAMA31_70B, LLAMA31_405B
 from model import common, llama
 from model.config import LlamaConfig
-from model.hf import load_checkpoint
+from hf.load import load_checkpoint
 from offload import policies
-from offload.trace import tagged_values
+from analysis.trace import tagged_values
+from trainer import step as trainer_step
 
 FIXTURES = "tests/fixtures"
 TINY = LlamaConfig(vocab=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -41,7 +42,7 @@ def test_logits_and_loss_match_hugging_face(name):
     logits = np.asarray(llama.forward(params, expected["tokens"], cfg, dtype=jnp.float32)[0])
     reference = expected["logits"]
     assert np.abs(logits - reference).max() <= 1e-4 * np.abs(reference).max()
-    loss = training.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
+    loss = trainer_step.cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
 
 
@@ -59,15 +60,15 @@ def test_scan_equals_unrolled_loop():
 
 
 EVERY_TABLE = {**policies.PRESETS,
-               "all_device": {t: "device" for t in policies.LLAMA_TAGS},
-               "all_offload": {t: "offload" for t in policies.LLAMA_TAGS},
+               "all_device": {t: "device" for t in llama.SCANS["layers"]},
+               "all_offload": {t: "offload" for t in llama.SCANS["layers"]},
                "mixed": {t: ("device", "offload", "remat")[i % 3]
-                         for i, t in enumerate(policies.LLAMA_TAGS)}}
+                         for i, t in enumerate(llama.SCANS["layers"])}}
 
 
 @jax.jit(static_argnums=2)
 def loss_and_grads(params, batch, policy):
-    loss = partial(training.loss_fn, batch=batch, model=TINY, rules=None,
+    loss = partial(trainer_step.loss_fn, batch=batch, model=TINY, rules=None,
                    policies={} if policy is None else {"layers": policy},
                    dtype=jnp.float32)
     return jax.value_and_grad(loss, has_aux=True)(params)
@@ -107,7 +108,7 @@ def test_tags_of_the_traced_model_are_the_tag_list():
     abstract = common.abstract_params(llama.param_specs(TINY))
     toks = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     found = tagged_values(lambda p, t: llama.forward(p, t, TINY), abstract, toks)
-    assert sorted(found) == sorted(policies.LLAMA_TAGS)
+    assert sorted(found) == sorted(llama.SCANS["layers"])
     assert all(len(sites) == 1 for sites in found.values())  # one tag per tensor
     assert found["query_proj"][0].shape == (2, 8, TINY.n_heads, TINY.head_dim)
     assert found["mlpwi_0"][0].shape == (2, 8, TINY.d_ff)

@@ -12,13 +12,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-import backend
-import checkpoints
+from runtime import checkpoints
 import configs
 import multihost_worker as worker
 from cluster import finish, launch
 import train
-from model.hf import open_checkpoint
+from hf.load import open_checkpoint
+from runtime import setup as runtime_setup
+from trainer import target as trainer_target
 
 
 # "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
@@ -39,8 +40,8 @@ def one_process_checkpoint(folder: Path) -> dict:
     """A step-0 checkpoint of the worker's DeepSeek run saved by this one process (8 devices);
     its parameters."""
     argv = worker.RUNS["deepseek"]
-    setup = train.resolve(argv[0], argv[1:], jax.devices())
-    state, _ = train.start_state(setup, backend.this_machine())
+    setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
+    state, _ = runtime_setup.start_state(setup, trainer_target.this_machine())
     saver = checkpoints.Saver(folder, keep=1, every=1)
     saver.save(0, state, checkpoints.run_meta(0, setup, setup.run.batch(jax.device_count())))
     saver.close()
@@ -126,10 +127,10 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
             (run_dir,) = runs.glob("deepseek671b-offload-*")
             assert {p.name for p in (run_dir / "checkpoints" / "2" / "params").glob(
                 "ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
-            setup = train.resolve(worker.RUNS["deepseek"][0], worker.RUNS["deepseek"][1:],
+            setup = runtime_setup.resolve(worker.RUNS["deepseek"][0], worker.RUNS["deepseek"][1:],
                                   jax.devices())
             setup.resume = checkpoints.find(str(run_dir), "", "")
-            state, step = train.start_state(setup, backend.this_machine())
+            state, step = runtime_setup.start_state(setup, trainer_target.this_machine())
             assert step == 2
             want = worker.flat(state["params"])
         assert sorted(got) == sorted(want)

@@ -7,9 +7,12 @@ import pytest
 from jax import export
 
 import configs
-import plan
+from analysis import plan
 import train
-from offload import placement, policies
+from analysis import memory as memory_, placement
+from analysis.traced import TracedStep
+from offload import policies
+from model import llama
 
 MiB, GiB = 2**20, 2**30
 # Under a layer scan, the down projection's output is never read by the backward pass (the
@@ -17,19 +20,24 @@ MiB, GiB = 2**20, 2**30
 NEVER_NEEDED = {"mlpwo"}
 
 
+def planned(experiment, table):
+    step = TracedStep(experiment.model, experiment.run, (1, 128))
+    return memory_.plan(step, table, memory_.tag_lines(step, table), 186 * 10**9, 240 * 10**9)
+
+
 def programs(table):
     experiment = configs.get("llama405b-offload")
     proxy_model, proxy_run = experiment.at_scale("proxy")
-    yield "full", plan.Program(experiment.model, experiment.run, table, (1, 128))
-    yield "proxy", plan.Program(proxy_model, proxy_run, table, (1, 8))
+    yield "full", TracedStep(experiment.model, experiment.run, (1, 128))
+    yield "proxy", TracedStep(proxy_model, proxy_run, (1, 8))
 
 
-@pytest.mark.parametrize("preset", policies.presets_for(policies.SCAN_TAGS["llama"]))
+@pytest.mark.parametrize("preset", policies.presets_for(llama.SCANS))
 def test_the_exported_program_offloads_exactly_the_table(preset):
-    tables = policies.placement_tables(preset, {}, policies.SCAN_TAGS["llama"])
+    tables = policies.placement_tables(preset, {}, llama.SCANS)
     wanted = {tag for tag, place in tables["layers"].items() if place == "offload"}
     for scale, program in programs(tables):
-        lines = program.tag_lines()
+        lines = memory_.tag_lines(program, tables)
         assert {line.value.tag for line in lines if line.offloaded} == wanted - NEVER_NEEDED
         assert {line.value.tag for line in lines if not line.needed} == NEVER_NEEDED, scale
 
@@ -48,9 +56,8 @@ def test_a_mismatch_between_traced_and_exported_placement_is_caught():
 
 def test_the_study_memory_facts_for_llama405b_offload():
     experiment = configs.get("llama405b-offload")
-    table = policies.placement_tables(experiment.run.policy, {}, policies.SCAN_TAGS["llama"])
-    memory = plan.Program(experiment.model, experiment.run, table, (1, 128)).memory_plan(
-        186 * 10**9, 240 * 10**9)
+    table = policies.placement_tables(experiment.run.policy, {}, llama.SCANS)
+    memory = planned(experiment, table)
     per_layer = {line.value.tag: line.value.nbytes for line in memory.tags if line.offloaded}
     assert per_layer == {"query_proj": 512 * MiB, "key_proj": 32 * MiB, "value_proj": 32 * MiB}
     assert memory.host_activations == 126 * 576 * MiB
@@ -63,9 +70,8 @@ def test_the_study_memory_facts_for_llama405b_offload():
 
 def test_the_baseline_offloads_nothing_and_stores_nothing_on_host():
     experiment = configs.get("llama405b-baseline")
-    table = policies.placement_tables(experiment.run.policy, {}, policies.SCAN_TAGS["llama"])
-    memory = plan.Program(experiment.model, experiment.run, table, (1, 128)).memory_plan(
-        186 * 10**9, 240 * 10**9)
+    table = policies.placement_tables(experiment.run.policy, {}, llama.SCANS)
+    memory = planned(experiment, table)
     assert memory.host_activations == 0
     assert not any(line.offloaded for line in memory.tags)
 
@@ -86,7 +92,7 @@ def test_plan_command_rejects_bad_input(capsys):
 
 
 def test_unknown_tags_and_placements_are_errors():
-    llama_scans = policies.SCAN_TAGS["llama"]
+    llama_scans = llama.SCANS
     with pytest.raises(ValueError, match="no tag"):
         policies.placement_tables("remat", {"qkv_proj": "offload"}, llama_scans)
     with pytest.raises(ValueError, match="placement"):

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import nvfp4_reference as ref
-import backend
-import training
+
 from model import quant
+import configs
+from trainer import target as trainer_target
 
 # Jitted: the encoder's numerics must hold under XLA's compilation, not just op by op.
 quantize = jax.jit(quant.quantize, static_argnums=(1, 2))
@@ -358,9 +359,9 @@ def test_shape_errors():
 def test_the_fp4_path_only_on_blackwell_with_1x16_blocks(capability, tiles, path):
     """The target, not the machine the step is traced on, picks the NVFP4 path: a GB200
     target compiled on this CPU gets FP4 tensor cores, the CPU itself the accuracy path."""
-    run = training.RunConfig(quant="nvfp4", quant_tiles=tiles)
-    target = backend.Target("gpu" if capability else "cpu", capability)
-    assert training.quantization(run, target).path == path
+    run = configs.RunConfig(quant="nvfp4", quant_tiles=tiles)
+    target = trainer_target.Target("gpu" if capability else "cpu", capability)
+    assert trainer_target.quantization(run, target).path == path
 
 
 # The model: every layer matrix quantized along the axis its einsum contracts, nothing else.

@@ -5,11 +5,12 @@ the traced full-scale step (abstract values: nothing compiled or allocated)."""
 import pytest
 
 import configs
-import placement_search as ps
-import plan
+from analysis import search_report as ps
 import train
 from configs.gpus import GPUS
-from offload import memory, search
+from analysis import memory, search
+from analysis.traced import TracedStep
+from runtime import setup as runtime_setup
 
 
 def predicted(name: str, device: str = "gb200") -> search.Prediction:
@@ -55,12 +56,11 @@ def test_predicted_memory_is_the_static_plans():
     """The search's per-tag arithmetic gives the static plan's peak (traced with the row's
     own policy) for the row whose on-device tags cost the most."""
     row = configs.get("deepseek671b-device-mb8")
-    tables = train.placement_tables(row.model, row.run)
-    program = plan.Program(row.model, row.run, tables, (1, 128))
-    tracer = ps.tracer_for(row)
-    lines = [memory.TagLine(v, "remat", True, False) for v in tracer.sites(8)]
+    tables = runtime_setup.placement_tables(row.model, row.run)
+    step = TracedStep(row.model, row.run, (1, 128))
+    lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
     gpu = GPUS["gb200"]
-    peak = program.memory_plan(0, gpu.host_memory, tags=lines).peak_estimate
+    peak = memory.plan(step, tables, lines, 0, gpu.host_memory).peak_estimate
     assert predicted(row.name).device_bytes == peak
 
 
@@ -74,7 +74,7 @@ def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
     # The leader's recompute summed per tag equals its own trace's count.
     estimate = search.predict(best.candidate, ps.tracer_for(row).workload(2), result.hw)
     assert estimate.step_s == pytest.approx(best.step_s, rel=1e-9)
-    setup = train.resolve(row.name, ps.run_overrides(best, row.model), full=True)
+    setup = runtime_setup.resolve(row.name, ps.run_overrides(best, row.model), full=True)
     assert setup.tables == {"layers": best.candidate.table("layers")}
 
 

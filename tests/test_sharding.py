@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import backend
-import training
+
 from configs import OptimizerConfig, RunConfig
 from model import common, deepseek, experts, llama
 from model.config import DeepSeekConfig, LlamaConfig, YarnScaling
 from offload import policies
+from trainer import build as trainer_build
+from trainer import step as trainer_step
+from trainer import target as trainer_target
 
 # Every sharded dimension (embed 64) and the batch (8) divide over 8 devices.
 CFG = LlamaConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -21,13 +23,13 @@ CFG = LlamaConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, hea
 
 
 def step(params, batch, rules, loss_chunks=1):
-    optimizer = training.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
+    optimizer = trainer_step.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = policies.checkpoint_policy(policies.PRESETS["qkv_offload"])
-    loss = partial(training.loss_fn, model=CFG, policies={"layers": policy}, rules=rules,
+    loss = partial(trainer_step.loss_fn, model=CFG, policies={"layers": policy}, rules=rules,
                    dtype=jnp.float32, loss_chunks=loss_chunks)
     grads = jax.grad(loss, has_aux=True)(params, batch)
-    _, metrics = training.train_step(state, batch, loss=loss, optimizer=optimizer)
+    _, metrics = trainer_step.train_step(state, batch, loss=loss, optimizer=optimizer)
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
     # near zero turns a rounding-level difference into one of order lr.
     return grads, metrics
@@ -80,14 +82,14 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel,
                     expert_parallel=expert_parallel)
 
     def loss_and_grads(params, batch, rules, run, tables):
-        loss = training.make_loss(DEEPSEEK, run, tables, rules, backend.Target("cpu"))
+        loss = trainer_build.make_loss(DEEPSEEK, run, tables, rules, trainer_target.Target("cpu"))
         return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
     reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
                                 run=dataclasses.replace(run, expert_parallel=False)))(
         params, batch)
-    rules = training.axis_rules(run, eight)
-    tables = policies.placement_tables("dsv3_offload", {}, policies.SCAN_TAGS["deepseek"])
+    rules = trainer_build.axis_rules(run, eight)
+    tables = policies.placement_tables("dsv3_offload", {}, deepseek.SCANS)
     sharded = jax.jit(partial(loss_and_grads, rules=rules, run=run, tables=tables))(
         jax.device_put(params, common.param_shardings(specs, rules)),
         jax.device_put(batch, rules.sharding(("batch", None))))

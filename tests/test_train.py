@@ -12,11 +12,13 @@ import pytest
 
 import configs
 import train
-import training
+
 from configs import OptimizerConfig
-from data import SyntheticTokens, TokenFile
+from runtime.data import SyntheticTokens, TokenFile
 from model import common, llama, quant
 from offload import policies
+from model import families
+from trainer import step as trainer_step
 
 # A small proxy run of the real experiment: 2 layers, 32 tokens, 8 devices x batch 2.
 SMALL = ["steps=3", "seq=32", "model.n_layers=2", "model.vocab=512"]
@@ -36,11 +38,11 @@ def proxy_losses(batches, lr: float, **loss_options) -> list[float]:
     mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     params = common.init_params(llama.param_specs(cfg), common.AxisRules(mesh=mesh),
                                 jax.random.key(0))
-    optimizer = training.make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0),
+    optimizer = trainer_step.make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0),
                                         steps=len(batches))
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(training.loss_fn, model=cfg, rules=None, dtype=jnp.float32, **loss_options)
-    step = jax.jit(partial(training.train_step, loss=loss, optimizer=optimizer))
+    loss = partial(trainer_step.loss_fn, model=cfg, rules=None, dtype=jnp.float32, **loss_options)
+    step = jax.jit(partial(trainer_step.train_step, loss=loss, optimizer=optimizer))
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -191,7 +193,7 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     devices = run.mesh.data * run.mesh.fsdp if scale == "full" else 8
     assert configs.problems(model, run, devices) == []
     if run.policy != policies.NO_CHECKPOINT:
-        policies.placement_tables(run.policy, run.placements, training.scan_tags(model))
+        policies.placement_tables(run.policy, run.placements, families.scan_tags(model))
 
 
 def test_compare_runs_each_row_into_one_table(tmp_path, capsys, monkeypatch):

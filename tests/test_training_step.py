@@ -10,13 +10,14 @@ import optax
 import pytest
 
 import configs
-import plan
-import training
+from analysis import plan
+
 from configs import OptimizerConfig
 from model import common, deepseek, llama
 from model.config import DeepSeekConfig, YarnScaling
-from model.hf import load_checkpoint
+from hf.load import load_checkpoint
 from offload import policies
+from trainer import step as trainer_step
 
 FIXTURES = "tests/fixtures"
 GiB, MiB = 2**30, 2**20
@@ -29,7 +30,7 @@ def test_the_training_loss_is_hugging_faces(name):
     cfg, params = load_checkpoint(f"{FIXTURES}/{name}")
     expected = np.load(f"{FIXTURES}/{name}/expected.npz")
     options = {"expert_path": "dense"} if isinstance(cfg, DeepSeekConfig) else {}
-    loss, aux = jax.jit(lambda p, b: training.loss_fn(
+    loss, aux = jax.jit(lambda p, b: trainer_step.loss_fn(
         p, b, model=cfg, policies=None, rules=None, dtype=jnp.float32, **options))(
         params, expected["tokens"])
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
@@ -69,7 +70,7 @@ def test_a_zero_gradient_step_decays_every_matrix_and_nothing_else(family, model
     mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
     params = common.init_params(family.param_specs(model), common.AxisRules(mesh=mesh),
                                 jax.random.key(0))
-    optimizer = training.make_optimizer(
+    optimizer = trainer_step.make_optimizer(
         OptimizerConfig(lr=lr, warmup_steps=0, weight_decay=decay), steps=10)
     before, after = (named_leaves(p) for p in zero_gradient_steps(params, optimizer, 1))
     for key, old in before.items():
@@ -88,7 +89,7 @@ def test_the_learning_rate_warms_up_then_decays_by_a_cosine():
     formula: linear from 0 to the peak over the warmup, then a cosine to min_lr_ratio x peak
     at the end of the run."""
     peak, floor, warmup, steps, decay = 0.5, 0.1, 4, 12, 0.5
-    optimizer = training.make_optimizer(OptimizerConfig(
+    optimizer = trainer_step.make_optimizer(OptimizerConfig(
         lr=peak, warmup_steps=warmup, min_lr_ratio=floor, weight_decay=decay), steps=steps)
     history = zero_gradient_steps({"w": jnp.ones((2, 2))}, optimizer, steps)
     rates = [float((a["w"][0, 0] - b["w"][0, 0]) / (decay * a["w"][0, 0]))
@@ -111,7 +112,7 @@ def test_the_router_bias_moves_against_each_layers_own_mean_load():
     load = np.array([[5, 0, 3, 3, 1, 2, 2, 0], [1, 1, 3, 1, 1, 1, 8, 8]])
     bias = np.linspace(-0.2, 0.2, 16, dtype=np.float32).reshape(2, 8)
     params = {"moe_layers": {"router_bias": jnp.asarray(bias)}}
-    moved = training.update_router_bias(params, jnp.asarray(load), 0.01)
+    moved = trainer_step.update_router_bias(params, jnp.asarray(load), 0.01)
     want = bias.copy()
     for layer in range(2):
         mean = load[layer].sum() / load.shape[1]
@@ -122,7 +123,7 @@ def test_the_router_bias_moves_against_each_layers_own_mean_load():
 
 def test_the_study_llama_table():
     """experiments.md: "offload the Q, K and V projection outputs of every layer"."""
-    tables = policies.placement_tables("qkv_offload", {}, policies.SCAN_TAGS["llama"])
+    tables = policies.placement_tables("qkv_offload", {}, llama.SCANS)
     assert tables == {"layers": {"query_proj": "offload", "key_proj": "offload",
                                  "value_proj": "offload"}}
     assert configs.get("llama405b-offload").run.policy == "qkv_offload"
@@ -135,7 +136,7 @@ def test_the_study_deepseek_tables_tag_by_tag():
     moe = {"query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "moe_mlpwi_0", "moe_mlpwi_1"}
     dense = {"mlpwi_0", "mlpwi_1", "mlpwo"}
     for preset, place in [("dsv3_offload", "offload"), ("dsv3_device", "device")]:
-        tables = policies.placement_tables(preset, {}, policies.SCAN_TAGS["deepseek"])
+        tables = policies.placement_tables(preset, {}, deepseek.SCANS)
         assert tables == {"dense_layers": {t: place for t in dense},
                           "moe_layers": {t: place for t in moe}}
 
@@ -153,5 +154,5 @@ def test_the_deepseek_offload_plan_stores_the_tables_tensors_on_host():
     host = 58 * (latents + experts) + 3 * dense
     assert f"{host / GiB:.1f}" == "166.5"
     experiment = configs.get("deepseek671b-offload")
-    tables = policies.placement_tables("dsv3_offload", {}, policies.SCAN_TAGS["deepseek"])
+    tables = policies.placement_tables("dsv3_offload", {}, deepseek.SCANS)
     assert plan.full_scale(experiment, tables).host_activations == host

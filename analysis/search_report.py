@@ -15,15 +15,15 @@ import functools
 import os
 from pathlib import Path
 
-import jax
 
-import backend
 import configs
-import plan
-import training
+from analysis import memory, plan, search
+from analysis.traced import TracedStep
 from configs import ConfigError, Experiment
 from configs.gpus import GPUS, Gpu
-from offload import memory, policies, search, trace
+from model import families
+from offload import policies
+from runtime import backend
 
 GiB = 2**30
 OPTIONS = {"batches": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
@@ -49,63 +49,34 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
     return rest, options
 
 
-def freeze(tables: dict | None):
-    return None if tables is None else tuple(
-        (s, tuple(sorted(t.items()))) for s, t in sorted(tables.items()))
-
-
 class Tracer:
-    """One experiment's traced step at any micro batch and placement, memoized."""
+    """One experiment's step traced at each micro batch the search asks for (a TracedStep
+    each), and the search's inputs read from them."""
 
     def __init__(self, experiment: Experiment):
         self.experiment, self.model, self.run = experiment, experiment.model, experiment.run
-        self.scans = training.family(self.model).SCANS
+        self.scans = list(families.of(self.model).SCANS)
         self.remat = {s: {} for s in self.scans}
+        self.steps: dict[int, TracedStep] = {}
 
-    @functools.cache
-    def program(self, batch: int) -> plan.Program:
-        run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0)
-        return plan.Program(self.model, run, self.remat, (run.mesh.data, run.mesh.fsdp))
-
-    @functools.cache
-    def _work(self, batch: int, frozen) -> trace.Work:
-        prog = self.program(batch)
-        tables = None if frozen is None else {s: dict(t) for s, t in frozen}
-        loss = training.make_loss(self.model, prog.run, tables, prog.rules, backend.ANY)
-        return trace.work(jax.grad(lambda p, b: loss(p, b)[0]), prog.state["params"],
-                          prog.batch, devices=prog.devices)
-
-    def work(self, batch: int, tables: dict | None) -> trace.Work:
-        return self._work(batch, freeze(tables))
+    def step(self, batch: int) -> TracedStep:
+        if batch not in self.steps:
+            run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0)
+            self.steps[batch] = TracedStep(self.model, run, (run.mesh.data, run.mesh.fsdp))
+        return self.steps[batch]
 
     def recompute(self, batch: int, tables: dict) -> dict:
         """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `tables`."""
-        base, own = self.work(batch, None), self.work(batch, tables)
-        layers = self.layers(batch)
+        step = self.step(batch)
+        base, own = step.work(None), step.work(tables)
         return {s: tuple((getattr(own, f).get((s, "backward"), 0.0)
-                          - getattr(base, f).get((s, "backward"), 0.0)) / layers[s]
+                          - getattr(base, f).get((s, "backward"), 0.0)) / step.layers[s]
                          for f in ("flops", "exchanged")) for s in self.scans}
 
-    def layers(self, batch: int) -> dict:
-        specs = self.program(batch).specs
-        return {s: next(iter(specs[s].values())).shape[0] for s in self.scans}
-
-    @functools.cache
-    def sites(self, batch: int) -> list[trace.Tagged]:
-        prog = self.program(batch)
-        found = trace.tagged_values(prog.local_loss(None), prog.local_params, prog.local_batch)
-        return [v for values in found.values() for v in values]
-
-    @functools.cache
     def tags(self, batch: int) -> dict:
         """scan -> the tags the backward pass reads, as traced (per device, per layer)."""
-        prog = self.program(batch)
-        everything = {s: {t: "offload" for t in tags}
-                      for s, tags in training.scan_tags(self.model).items()}
-        needed = trace.offloaded_tags(jax.grad(prog.local_loss(everything)),
-                                      prog.local_params, prog.local_batch)
-        needed = {(v.scan, v.tag) for found in needed.values() for v in found}
-        return {s: [v for v in self.sites(batch) if v.scan == s and (s, v.tag) in needed]
+        step = self.step(batch)
+        return {s: [v for v in step.sites if v.scan == s and (s, v.tag) in step.needed]
                 for s in self.scans}
 
     @functools.cache
@@ -121,8 +92,9 @@ class Tracer:
     def workload(self, batch: int, savings: bool = True) -> search.Workload:
         """The search's inputs at one micro batch; without `savings` (a candidate counted on
         its own trace needs none) each tag's recompute saving is left at zero."""
-        prog, none = self.program(batch), self.work(batch, None)
-        remat, layers = self.recompute(batch, self.remat), self.layers(batch)
+        step = self.step(batch)
+        none, layers = step.work(None), step.layers
+        remat = self.recompute(batch, self.remat)
         sites = self.tags(batch)
         fixed = self.remat_plan(batch)
         scans = []
@@ -137,19 +109,20 @@ class Tracer:
                 none.flops.get((s, "forward"), 0.0) / layers[s],
                 none.flops.get((s, "backward"), 0.0) / layers[s], *remat[s][:1],
                 none.exchanged.get((s, "forward"), 0.0) / layers[s], remat[s][1],
-                prog.gathered_layer_bytes(s)))
+                step.gathered_layer_bytes(s)))
             fixed -= layers[s] * tags[0].nbytes  # the layer input: placed by the candidate
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
-        flops = training.family(self.model).training_flops(self.model, batch, self.run.seq)
+        flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
         return search.Workload(batch, tuple(scans), other, fixed, flops)
 
     @functools.cache
     def remat_plan(self, batch: int) -> int:
         """Peak device bytes with every tag recomputed: the static plan's arithmetic."""
-        lines = [memory.TagLine(v, "remat", True, False) for v in self.sites(batch)]
+        step = self.step(batch)
+        lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
         gpu = GPUS[self.run.device]
-        return self.program(batch).memory_plan(backend.pool_bytes(gpu), gpu.host_memory,
-                                               tags=lines).peak_estimate
+        return memory.plan(step, self.remat, lines, backend.pool_bytes(gpu),
+                           gpu.host_memory).peak_estimate
 
 
 def schedule_of(run: configs.RunConfig) -> search.Schedule:
@@ -165,14 +138,15 @@ def study_rows(experiment: Experiment) -> list[Experiment]:
             if (e.model, e.run.seq, e.run.mesh) == key]
 
 
-_TRACERS: dict[str, Tracer] = {}
+_TRACERS: dict[tuple, Tracer] = {}
 
 
 def tracer_for(experiment: Experiment) -> Tracer:
-    """One Tracer per model and run (its policy, flags and batch aside: a tracer sets them)."""
-    run = dataclasses.replace(experiment.run, policy="remat", placements={}, xla_flags={},
-                              per_device_batch=1, global_batch=0, device="gb200")
-    key = repr((experiment.model, run))
+    """One Tracer per model and the run settings that change what is traced (placement,
+    flags, batch and GPU aside: a tracer sets them), shared by the rows that differ only so."""
+    traced = dataclasses.replace(experiment.run, policy="", placements=None, xla_flags=None,
+                                 per_device_batch=1, global_batch=0, device="")
+    key = (experiment.model, dataclasses.astuple(traced))
     if key not in _TRACERS:
         _TRACERS[key] = Tracer(experiment)
     return _TRACERS[key]
@@ -180,7 +154,7 @@ def tracer_for(experiment: Experiment) -> Tracer:
 
 def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
     tables = policies.placement_tables(row.run.policy, row.run.placements,
-                                       training.scan_tags(row.model))
+                                       families.scan_tags(row.model))
     return search.make_candidate(row.run.per_device_batch, tables, schedule_of(row.run),
                                  row.name)
 
@@ -288,7 +262,7 @@ HEADER = (f"{'rank':>5} {'mb':>3} {'schedule':<14}{'device':>8}{'host':>8}{'step
 
 def report_lines(result: Result, top: int) -> list[str]:
     hw, e = result.hw, result.experiment
-    scans = training.family(e.model).SCANS
+    scans = list(families.of(e.model).SCANS)
     gpu = GPUS[hw.name]
     calibration = configs.CALIBRATION
     lines = [
@@ -335,7 +309,7 @@ def best_lines(result: Result, scans) -> list[str]:
 
 
 def run_overrides(prediction: search.Prediction, model) -> list[str]:
-    return search.overrides(prediction.candidate, training.family(model).SCANS)
+    return search.overrides(prediction.candidate, list(families.of(model).SCANS))
 
 
 def verified_line(prediction: search.Prediction, compiled, overrides: list[str]) -> str:

@@ -14,12 +14,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import backend
-import plan
-import training
-from model import common
-from offload import memory
+from analysis import memory, plan
+from model import common, families
 from model.config import LlamaConfig
+from runtime import backend
+from trainer.target import compiler_options, forward_options
 
 GiB = 2**30
 
@@ -29,7 +28,7 @@ def _fmt_bytes(n: float | None) -> str:
 
 
 def model_line(cfg) -> str:
-    count = common.param_count(training.family(cfg).param_specs(cfg))
+    count = common.param_count(families.of(cfg).param_specs(cfg))
     if isinstance(cfg, LlamaConfig):
         shape = (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
                  f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}")
@@ -49,7 +48,7 @@ def _policy_line(tables: dict | None) -> str:
 
 def kernels_line(model, run, mesh, target) -> str:
     """The kernels the target's step uses: attention, NVFP4 path, experts."""
-    options = training.forward_options(model, run, mesh.shape["fsdp"], target)
+    options = forward_options(model, run, mesh.shape["fsdp"], target)
     parts = []
     for name, value in options.items():
         if name == "quantization":
@@ -79,7 +78,7 @@ def flags_line(run, target) -> str:
     flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
     if target.platform != "gpu":
         return f"{flags} [NOT applied: {target.platform} backend, GPU only]"
-    extra = training.compiler_options(run, target).keys() - run.xla_flags.keys()
+    extra = compiler_options(run, target).keys() - run.xla_flags.keys()
     deviceless = (f"; compile-only devices also set {', '.join(sorted(extra))}=false (XLA's "
                   "CUB sort rewriter wants a device)" if extra else "")
     return (f"{flags} [applied{deviceless}]; XLA_FLAGS (every compile): "

@@ -29,8 +29,8 @@ import threading
 
 import jax
 
-import backend
 from configs import ConfigError
+from runtime import backend
 
 # How long processes wait for each other to join (and, at exit, to leave): a missing process
 # or a wrong address ends the run after this many seconds.

@@ -120,15 +120,3 @@ class Reader:
         data, start, header = self.headers[file]
         begin, end = (start + offset for offset in header[name]["data_offsets"])
         return data[begin:end].view(ml_dtypes.float8_e4m3fn).reshape(self.shapes[name])
-
-
-def check_shapes(params: dict, specs: dict) -> None:
-    flat = [("", params, specs)]
-    while flat:
-        path, p, s = flat.pop()
-        if isinstance(s, dict):
-            if missing := [k for k in s if k not in p]:
-                raise CheckpointError(f"{path or '/'}: the checkpoint has no {missing[0]!r}")
-            flat += [(f"{path}/{k}", p[k], s[k]) for k in s]
-        elif p.shape != s.shape:
-            raise CheckpointError(f"{path}: shape {p.shape} in the checkpoint, {s.shape} expected")

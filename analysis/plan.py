@@ -10,20 +10,18 @@ A compiled program (`--compile`, a GPU run) adds what XLA really does: the host 
 keeps and its memory per device.
 """
 
-import dataclasses
 import math
 import os
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType
 
-import backend
-import training
+from analysis import addressing, memory
+from analysis.traced import TracedStep
 from configs import Experiment, RunConfig
 from configs.gpus import GPUS, Gpu
-from model import common, quant
-from offload import addressing, memory, placement, policies, trace
+from offload import policies
+from runtime import backend
 
 GiB, MiB = 2**30, 2**20
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -36,151 +34,15 @@ def _size(n: int) -> str:
     return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
 
 
-class Program:
-    """One step of (model, run, tables) on a mesh of this shape, as abstract values. MoE
-    experts are planned as a GPU computes them (grouped GEMMs, or under expert parallelism
-    one GEMM per local expert over its blocks)."""
-
-    def __init__(self, model, run: RunConfig, tables: dict | None,
-                 mesh_shape: tuple[int, int]):
-        if run.expert_path == "auto":
-            run = dataclasses.replace(run, expert_path="sorted")
-        self.model, self.run, self.tables = model, run, tables
-        self.devices = math.prod(mesh_shape)
-        mesh = AbstractMesh(mesh_shape, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-        self.fsdp = mesh_shape[1]
-        self.rules = training.axis_rules(run, mesh)
-        self.optimizer = training.make_optimizer(run.optimizer, run.steps)
-        self.state = training.abstract_state(model, run, self.rules, self.optimizer)
-        self.batch = training.abstract_batch(run, self.rules, self.devices)
-        # One device's share of the work, unsharded: its activations are what it stores. Under
-        # expert parallelism it holds only its own experts.
-        self.specs = jax.tree.map(self._own_experts, training.family(model).param_specs(model),
-                                  is_leaf=lambda x: isinstance(x, common.ParamSpec))
-        self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
-        self.local_batch = jax.ShapeDtypeStruct(
-            (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
-
-    def _split_by_expert(self, spec: common.ParamSpec) -> bool:
-        """Under expert parallelism, routed-expert weights: each device holds its own, whole."""
-        return self.rules.experts is not None and "experts" in spec.axes
-
-    def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
-        if not self._split_by_expert(spec):
-            return spec
-        axis = spec.axes.index("experts")
-        shape = list(spec.shape)
-        shape[axis] //= self.fsdp
-        return dataclasses.replace(spec, shape=tuple(shape))
-
-    def local_loss(self, tables: dict | None):
-        loss = training.make_loss(self.model, self.run, tables, rules=None, target=backend.ANY,
-                                  fsdp_devices=self.fsdp)
-        return lambda params, batch: loss(params, batch)[0]
-
-    def tag_lines(self, compiled_hlo: str | None = None) -> list[memory.TagLine]:
-        """Every tag of every layer scan: per-device per-layer value, placement asked, whether
-        the backward pass needs it, whether the exported GPU program offloads it and, given a
-        compiled GPU program's optimized HLO, whether XLA keeps its stacked buffer in host
-        memory."""
-        tagged = trace.tagged_values(self.local_loss(None), self.local_params, self.local_batch)
-        sites = [site for sites in tagged.values() for site in sites]
-        everything = {scan: {tag: "offload" for tag in tags}
-                      for scan, tags in training.scan_tags(self.model).items()}
-        needed = trace.offloaded_tags(jax.grad(self.local_loss(everything)),
-                                      self.local_params, self.local_batch)
-        needed = {(s.scan, s.tag) for found in needed.values() for s in found}
-        step = training.make_step(self.model, self.run, self.tables, self.rules, self.optimizer,
-                                  backend.ANY)
-        offloaded = placement.verify_offloads(step, self.state, self.batch)
-        in_host = None  # (scan, tag) -> the addressing proof of its host buffer
-        if compiled_hlo is not None:
-            moved = trace.offloaded_tags(jax.grad(self.local_loss(self.tables)),
-                                         self.local_params, self.local_batch)
-            in_host = placement.compiled_host_buffers(
-                compiled_hlo, [v for values in moved.values() for v in values])
-        tables, scans = self.tables or {}, training.family(self.model).SCANS
-        return [memory.TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"),
-                               (s.scan, s.tag) in needed, (s.scan, s.tag) in offloaded,
-                               None if in_host is None else (s.scan, s.tag) in in_host,
-                               None if in_host is None else in_host.get((s.scan, s.tag)))
-                for s in sorted(sites, key=lambda s: scans.index(s.scan))]
-
-    def memory_plan(self, capacity: int, host_capacity: int, compiled_hlo: str | None = None,
-                    tags: list[memory.TagLine] | None = None) -> memory.MemoryPlan:
-        """The plan; `tags` (a placement list already made) spares exporting the step."""
-        residuals = trace.saved_residuals(self.local_loss(self.tables), self.local_params,
-                                          self.local_batch)
-        # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
-        shapes = {spec.shape for spec in jax.tree.leaves(self.specs, is_leaf=_is_spec)
-                  if not self._split_by_expert(spec)}
-        scans = training.family(self.model).SCANS
-        weights_per_layer = max(  # the widest layer's
-            common.param_count(self.specs[scan]) // max(self.specs[scan][k].shape[0]
-                                                        for k in self.specs[scan])
-            for scan in scans if self.specs[scan])
-        return memory.MemoryPlan(
-            params=memory.per_device_bytes(self.state["params"]),
-            grads=memory.per_device_bytes(self.state["params"]),
-            optimizer=memory.per_device_bytes(self.state["opt_state"]),
-            tags=self.tag_lines(compiled_hlo) if tags is None else tags,
-            residuals=memory.per_device_residuals(residuals, shapes, self.fsdp),
-            layers=tuple(next(iter(self.specs[scan].values())).shape[0] for scan in scans),
-            layer_weights=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
-            # The layer casts its weights to the compute dtype, so their gradients arrive (and
-            # are reduce-scattered) in it; only a device's shard becomes param_dtype.
-            layer_grads=weights_per_layer * jnp.dtype(self.run.compute_dtype).itemsize,
-            exchange=self.exchange_buffers(),
-            capacity=capacity, host_capacity=host_capacity,
-            matrices=self.quantizable_matrices() if self.run.quant != "none" else None)
-
-    def gathered_layer_bytes(self, scan: str) -> int:
-        """One layer's weights as FSDP all-gathers them (in the compute dtype), which is also
-        its gradients' reduce-scatter; a device's own experts are not gathered."""
-        shared = [s for s in self.specs[scan].values() if not self._split_by_expert(s)]
-        return (sum(math.prod(s.shape[1:]) for s in shared)
-                * jnp.dtype(self.run.compute_dtype).itemsize)
-
-    def exchange_buffers(self) -> int:
-        """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the
-        outputs returned, each [devices x block rows, D] in the compute dtype."""
-        parallel = training.forward_options(self.model, self.run, self.fsdp,
-                                            backend.ANY).get("expert_parallel")
-        if parallel is None:
-            return 0
-        tokens = self.local_batch.shape[0] * self.run.seq
-        rows = self.model.n_experts * parallel.block_rows(tokens, self.model.experts_per_token,
-                                                          self.model.n_experts)
-        return 4 * rows * self.model.d_model * jnp.dtype(self.run.compute_dtype).itemsize
-
-    def quantizable_matrices(self) -> tuple[int, int]:
-        """Per device, the layer matrices `quant=nvfp4` multiplies in NVFP4: (bytes in the
-        compute dtype, bytes stored as NVFP4: E2M1 codes at 4 bits, E4M3 scales, FP32 scale)."""
-        family = training.family(self.model)
-        specs = family.param_specs(self.model)
-        plain = stored = 0
-        for scan in family.SCANS:
-            for name, spec in specs[scan].items():
-                if not common.quantizable(name, len(spec.shape) - 1, family.UNQUANTIZED):
-                    continue
-                per_layer = math.prod(spec.shape[1:])
-                plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize
-                stored += spec.shape[0] * quant.nvfp4_bytes((per_layer,), 0)
-        return plain // self.fsdp, stored // self.fsdp
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, common.ParamSpec)
-
-
-def full_scale(experiment: Experiment, tables: dict | None,
-               compiled_hlo: str | None = None) -> memory.MemoryPlan:
+def full_scale(experiment: Experiment, tables: dict | None, compiled_hlo: str | None = None,
+               step: TracedStep | None = None) -> memory.MemoryPlan:
     """The experiment's full-scale memory plan and placement list under these tables, against
     the memory JAX takes of its GPU (and, given one, the compiled program's host buffers)."""
     run = experiment.run
-    program = Program(experiment.model, run, tables, (run.mesh.data, run.mesh.fsdp))
+    step = step or TracedStep(experiment.model, run, (run.mesh.data, run.mesh.fsdp))
     gpu = GPUS[run.device]
-    return program.memory_plan(backend.pool_bytes(gpu), gpu.host_memory, compiled_hlo)
+    return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
+                       backend.pool_bytes(gpu), gpu.host_memory)
 
 
 def memory_source(gpu: Gpu) -> str:

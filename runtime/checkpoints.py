@@ -23,9 +23,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from configs import ConfigError
-from model import common
-from model.hf import FAMILIES
-from model.hf_export import DTYPES, hf_config, write_checkpoint
+from hf.config import from_hf, to_hf
+from hf.save import DTYPES, write_checkpoint
+from model import common, families
 
 # Settings that change the trained numbers: a resume must match them. The rest (placement,
 # mesh and device count, kernels, XLA flags, output, profiling) may change between runs.
@@ -61,7 +61,7 @@ _META_KEYS = {"step", "global_batch", "model", "run", "hf_config"}
 def run_meta(step: int, setup, batch_size: int) -> dict:
     return {"step": step, "experiment": setup.experiment.name, "scale": setup.scale,
             "global_batch": batch_size, "model": _plain(setup.model), "run": _plain(setup.run),
-            "hf_config": hf_config(setup.model, setup.run.param_dtype),
+            "hf_config": to_hf(setup.model, setup.run.param_dtype),
             "data_position": "batches are a function of (seed, step): the step is the position"}
 
 
@@ -291,12 +291,11 @@ def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
                           "directory or one step folder), not latest")
     source = find(target, "", "")
     meta = source.meta(source.steps[0])
-    make_config, _, make_specs = FAMILIES[meta["hf_config"]["model_type"]]
-    cfg = make_config(meta["hf_config"])
+    cfg = from_hf(meta["hf_config"])
     # On the host's memory: a GPU would not hold a whole large model.
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
-        common.abstract_params(make_specs(cfg), meta["run"]["param_dtype"]))
+        common.abstract_params(families.of(cfg).param_specs(cfg), meta["run"]["param_dtype"]))
     params, _ = read_params(source, abstract)
     return write_checkpoint(out, cfg, jax.tree.map(np.asarray, params), dtype)

@@ -20,9 +20,9 @@ from collections import Counter
 
 from jax import export
 
-from offload import addressing
-from offload.addressing import Proof
-from offload.trace import Tagged, offloaded_tags
+from analysis import addressing
+from analysis.addressing import Proof
+from analysis.trace import Tagged, offloaded_tags
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')

@@ -8,10 +8,14 @@ temporaries and fragmentation, which only a real run shows.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from offload.addressing import Proof
-from offload.trace import Residual, Tagged
+from analysis import placement
+from analysis.addressing import Proof
+from analysis.trace import Residual, Tagged
+from analysis.traced import TracedStep
+from model.common import ParamSpec
 
 
 def per_device_bytes(tree) -> int:
@@ -114,3 +118,46 @@ class CompiledMemory:
         """What the program holds in device memory at once. (XLA's own peak figure counts the
         host buffers too.)"""
         return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def tag_lines(step: TracedStep, tables: dict | None,
+              compiled_hlo: str | None = None) -> list[TagLine]:
+    """Every tag of every layer scan: per-device per-layer value, placement asked, whether
+    the backward pass needs it, whether the exported GPU program offloads it and, given a
+    compiled GPU program's optimized HLO, whether XLA keeps its stacked buffer in host memory
+    (and reads it back from where it wrote it)."""
+    exported = step.exported(tables)
+    in_host = None  # (scan, tag) -> the addressing proof of its host buffer
+    if compiled_hlo is not None:
+        in_host = placement.compiled_host_buffers(compiled_hlo, step.moved(tables))
+    tables = tables or {}
+    return [TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"), (s.scan, s.tag) in step.needed,
+                    (s.scan, s.tag) in exported,
+                    None if in_host is None else (s.scan, s.tag) in in_host,
+                    None if in_host is None else in_host.get((s.scan, s.tag)))
+            for s in step.sites]
+
+
+def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: int,
+         host_capacity: int) -> MemoryPlan:
+    """The static memory plan of `step` under `tables`, per device: state, gradients, what
+    autodiff keeps (on device and on host), one layer's backward."""
+    # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
+    shapes = {spec.shape for spec in jax.tree.leaves(step.specs, is_leaf=_is_spec)
+              if not step.split_by_expert(spec)}
+    # The layer casts its weights to the compute dtype, so their gradients arrive (and are
+    # reduce-scattered) in it; only a device's shard becomes param_dtype.
+    layer_bytes = step.widest_layer_weights() * jnp.dtype(step.run.compute_dtype).itemsize
+    return MemoryPlan(
+        params=per_device_bytes(step.state["params"]),
+        grads=per_device_bytes(step.state["params"]),
+        optimizer=per_device_bytes(step.state["opt_state"]),
+        tags=tags,
+        residuals=per_device_residuals(step.residuals(tables), shapes, step.fsdp),
+        layers=tuple(step.layers.values()), layer_weights=layer_bytes, layer_grads=layer_bytes,
+        exchange=step.exchange_buffers(), capacity=capacity, host_capacity=host_capacity,
+        matrices=step.quantizable_matrices() if step.run.quant != "none" else None)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)

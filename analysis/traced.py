@@ -1,0 +1,165 @@
+"""One training step as abstract values, traced once: what the memory plan, the placement list,
+the placement search and the replay all read.
+
+A `TracedStep` is (model, run) at the run's micro batch on an abstract mesh of the given shape
+(nothing allocated, no device needed): the sharded abstract state and batch, and one device's
+share of the step traced alone. Each view of it (the tag sites, what the backward pass reads,
+the residuals and offloads of a placement, the exported program, the work) is traced on first
+use and kept: a report that needs it twice traces it once. MoE experts are traced as a GPU
+computes them (grouped GEMMs, or under expert parallelism one GEMM per local expert).
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
+
+from analysis import placement, trace
+from configs import RunConfig
+from model import common, families, quant
+from trainer import build
+from trainer.step import make_optimizer
+from trainer.target import ANY, forward_options
+
+
+def freeze(tables: dict | None):
+    """A placement (scan -> {tag: place}, or None) as a hashable key."""
+    return None if tables is None else tuple(
+        (s, tuple(sorted(t.items()))) for s, t in sorted(tables.items()))
+
+
+class TracedStep:
+    def __init__(self, model, run: RunConfig, mesh_shape: tuple[int, int]):
+        if run.expert_path == "auto":
+            run = dataclasses.replace(run, expert_path="sorted")
+        self.model, self.run, self.family = model, run, families.of(model)
+        self.scans = list(self.family.SCANS)
+        self.devices, self.fsdp = math.prod(mesh_shape), mesh_shape[1]
+        mesh = AbstractMesh(mesh_shape, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+        self.rules = build.axis_rules(run, mesh)
+        self.optimizer = make_optimizer(run.optimizer, run.steps)
+        self.state = build.abstract_state(model, run, self.rules, self.optimizer)
+        self.batch = build.abstract_batch(run, self.rules, self.devices)
+        # One device's share of the work, unsharded: its activations are what it stores. Under
+        # expert parallelism it holds only its own experts.
+        self.specs = jax.tree.map(self._own_experts, self.family.param_specs(model),
+                                  is_leaf=_is_spec)
+        self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
+        self.local_batch = jax.ShapeDtypeStruct(
+            (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
+        self.layers = {s: next(iter(self.specs[s].values())).shape[0] for s in self.scans}
+        self._traced: dict = {}
+
+    def _once(self, view: str, tables: dict | None, make):
+        key = (view, freeze(tables))
+        if key not in self._traced:
+            self._traced[key] = make()
+        return self._traced[key]
+
+    def split_by_expert(self, spec: common.ParamSpec) -> bool:
+        """Under expert parallelism, routed-expert weights: each device holds its own, whole."""
+        return self.rules.experts is not None and "experts" in spec.axes
+
+    def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
+        if not self.split_by_expert(spec):
+            return spec
+        axis = spec.axes.index("experts")
+        shape = list(spec.shape)
+        shape[axis] //= self.fsdp
+        return dataclasses.replace(spec, shape=tuple(shape))
+
+    def local_loss(self, tables: dict | None):
+        """One device's loss under `tables`, traced alone (no mesh), as a function of
+        (params, batch)."""
+        loss = build.make_loss(self.model, self.run, tables, rules=None, target=ANY,
+                               fsdp_devices=self.fsdp)
+        return lambda params, batch: loss(params, batch)[0]
+
+    @property
+    def sites(self) -> list[trace.Tagged]:
+        """Every `checkpoint_name` site, per device and per layer, in scan order."""
+        def make():
+            found = trace.tagged_values(self.local_loss(None), self.local_params,
+                                        self.local_batch)
+            sites = [v for values in found.values() for v in values]
+            return sorted(sites, key=lambda v: self.scans.index(v.scan))
+        return self._once("sites", None, make)
+
+    @property
+    def needed(self) -> set[tuple[str, str]]:
+        """(scan, tag) of every tag the backward pass reads: with everything offloaded, exactly
+        those are moved to host."""
+        everything = {s: {t: "offload" for t in tags} for s, tags in self.family.SCANS.items()}
+        return self._once("needed", None, lambda: {
+            (v.scan, v.tag) for v in self.moved(everything)})
+
+    def moved(self, tables: dict | None) -> list[trace.Tagged]:
+        """The values one device's step moves to host memory under `tables`."""
+        return self._once("moved", tables, lambda: [
+            v for found in trace.offloaded_tags(jax.grad(self.local_loss(tables)),
+                                                self.local_params, self.local_batch).values()
+            for v in found])
+
+    def residuals(self, tables: dict | None) -> list[trace.Residual]:
+        """What one device's backward pass keeps from its forward pass under `tables`."""
+        return self._once("residuals", tables, lambda: trace.saved_residuals(
+            self.local_loss(tables), self.local_params, self.local_batch))
+
+    def exported(self, tables: dict | None) -> set[tuple[str, str]]:
+        """(scan, tag) of what the sharded step, exported for a GPU, offloads under `tables`
+        (checked against the traced program: analysis/placement.py)."""
+        def make():
+            step = build.make_step(self.model, self.run, tables, self.rules, self.optimizer,
+                                   ANY)
+            return placement.verify_offloads(step, self.state, self.batch)
+        return self._once("exported", tables, make)
+
+    def work(self, tables: dict | None) -> trace.Work:
+        """Dot FLOPs and all-to-all bytes of the sharded gradient under `tables`, per device."""
+        def make():
+            loss = build.make_loss(self.model, self.run, tables, self.rules, ANY)
+            return trace.work(jax.grad(lambda p, b: loss(p, b)[0]), self.state["params"],
+                              self.batch, devices=self.devices)
+        return self._once("work", tables, make)
+
+    def gathered_layer_bytes(self, scan: str) -> int:
+        """One layer's weights as FSDP all-gathers them (in the compute dtype), which is also
+        its gradients' reduce-scatter; a device's own experts are not gathered."""
+        shared = [s for s in self.specs[scan].values() if not self.split_by_expert(s)]
+        return (sum(math.prod(s.shape[1:]) for s in shared)
+                * jnp.dtype(self.run.compute_dtype).itemsize)
+
+    def widest_layer_weights(self) -> int:
+        """Parameters of the widest layer (of any scan), as one device's share holds them."""
+        return max(common.param_count(self.specs[s]) // self.layers[s] for s in self.scans)
+
+    def exchange_buffers(self) -> int:
+        """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the
+        outputs returned, each [devices x block rows, D] in the compute dtype."""
+        parallel = forward_options(self.model, self.run, self.fsdp, ANY).get("expert_parallel")
+        if parallel is None:
+            return 0
+        tokens = self.local_batch.shape[0] * self.run.seq
+        rows = self.model.n_experts * parallel.block_rows(tokens, self.model.experts_per_token,
+                                                          self.model.n_experts)
+        return 4 * rows * self.model.d_model * jnp.dtype(self.run.compute_dtype).itemsize
+
+    def quantizable_matrices(self) -> tuple[int, int]:
+        """Per device, the layer matrices `quant=nvfp4` multiplies in NVFP4: (bytes in the
+        compute dtype, bytes stored as NVFP4: E2M1 codes at 4 bits, E4M3 scales, FP32 scale)."""
+        specs = self.family.param_specs(self.model)
+        plain = stored = 0
+        for scan in self.scans:
+            for name, spec in specs[scan].items():
+                if not common.quantizable(name, len(spec.shape) - 1, self.family.UNQUANTIZED):
+                    continue
+                per_layer = math.prod(spec.shape[1:])
+                plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize
+                stored += spec.shape[0] * quant.nvfp4_bytes((per_layer,), 0)
+        return plain // self.fsdp, stored // self.fsdp
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, common.ParamSpec)

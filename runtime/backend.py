@@ -1,0 +1,98 @@
+"""How JAX starts in this process.
+
+Import this module before anything else imports JAX: it settles what must be settled before
+JAX starts.
+  - A machine without an NVIDIA GPU but with the CUDA plugin installed (the `gpu-compile`
+    extra) runs on the CPU backend, and the plugin's C++ start-up messages ("Could not find
+    cuda drivers ...", written below Python's sys.stderr) are dropped, so a CPU run prints what
+    it would print without the plugin.
+  - XLA's GPU memory pool takes MEMORY_FRACTION of each GPU unless the environment already
+    says (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION); plans and
+    compiles measure against that same figure.
+  - All-reduces go to NCCL, not XLA's Triton one-shot kernels (NCCL_ALL_REDUCES, unless
+    XLA_FLAGS already names the setting): jaxlib 0.12.0.1's GPU compiler aborts on a scalar
+    all-reduce over 64 GB200s ("LLVM Fatal Error ... size mismatch when packing elements"),
+    and XLA reads this list-valued setting only from XLA_FLAGS, not from a compile's options.
+
+What a step is built for (this machine, compile-only GPUs) is trainer/target.py's.
+"""
+
+import contextlib
+import ctypes.util
+import glob
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+
+from configs import ConfigError
+from configs.gpus import Gpu
+
+# JAX's own default leaves a quarter of the GPU unused (46 GiB of a GB200), and the study's
+# DeepSeek-V3 row ran in 165.2 of a GB200's 184.3 GiB; 5% stays outside XLA's pool for the
+# CUDA context and NCCL's buffers.
+MEMORY_FRACTION = 0.95
+FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+NCCL_ALL_REDUCES = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
+_CUDA_STUB_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers")
+
+
+def has_gpu() -> bool:
+    """An NVIDIA GPU's device node (/dev/dxg under WSL) or its driver's library."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg")
+                or ctypes.util.find_library("cuda"))
+
+
+def has_cuda_plugin() -> bool:
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+def memory_fraction() -> tuple[float, str]:
+    """(the share of each GPU's memory XLA's pool takes, the variable that says so)."""
+    for name in FRACTION_VARIABLES:
+        if os.environ.get(name):
+            try:
+                fraction = float(os.environ[name])
+            except ValueError:
+                fraction = -1.0
+            if not 0 < fraction <= 1:
+                raise ConfigError(f"{name}={os.environ[name]!r}: expected a fraction in (0, 1]")
+            return fraction, name
+    return MEMORY_FRACTION, FRACTION_VARIABLES[0]
+
+
+def pool_bytes(gpu: Gpu) -> int:
+    """What XLA's memory pool takes of one `gpu`: the memory fraction of its memory."""
+    return int(memory_fraction()[0] * gpu.memory)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Drop the CUDA plugin's start-up messages on a machine without a GPU; keep the rest of
+    what is written to file descriptor 2 meanwhile (C++ libraries write there directly)."""
+    if has_gpu() or not has_cuda_plugin():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not _CUDA_STUB_NOISE.search(line)))
+
+
+if has_cuda_plugin() and not has_gpu():
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not any(os.environ.get(name) for name in FRACTION_VARIABLES):
+    os.environ[FRACTION_VARIABLES[0]] = str(MEMORY_FRACTION)
+if NCCL_ALL_REDUCES.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NCCL_ALL_REDUCES}".strip()
+with quiet():  # the CUDA plugin loads (and speaks) as JAX is imported
+    import jax  # noqa: F401

@@ -1,0 +1,92 @@
+"""A train step built: its sharded abstract state and batch, its loss with the run's
+placement tables and kernels, and the step compiled ahead of time for a target."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from configs import ConfigError, RunConfig
+from model import common, families, quant
+from offload import policies
+from trainer.step import loss_fn, train_step
+from trainer.target import Target, compiler_options, forward_options, kernel_checks
+
+
+def axis_rules(run: RunConfig, mesh) -> common.AxisRules:
+    rules = common.AxisRules(mesh=mesh)
+    return rules.expert_parallel() if run.expert_parallel else rules
+
+
+def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
+    """The train state as sharded ShapeDtypeStructs: what init_state makes, without making it."""
+    specs = families.of(model).param_specs(model)
+    params = common.abstract_params(specs, jnp.dtype(run.param_dtype))
+    param_shardings = common.param_shardings(specs, rules)
+    replicated = rules.sharding(())
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    shapes = {"params": params, "opt_state": opt_state,
+              "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, shardings)
+
+
+def abstract_batch(run: RunConfig, rules: common.AxisRules, n_devices: int):
+    return jax.ShapeDtypeStruct((run.batch(n_devices), run.seq + 1), jnp.int32,
+                                sharding=rules.sharding(("batch", None)))
+
+
+def quantization_problems(model, run: RunConfig) -> list[str]:
+    """Whether NVFP4 can encode every quantized matrix of `model` (dims multiples of 16),
+    found by tracing its forward on abstract values."""
+    if run.quant == "none":
+        return []
+    params = common.abstract_params(families.of(model).param_specs(model))
+    tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    two_d = run.quant_tiles == "16x16"
+    forward = partial(families.of(model).forward, cfg=model,
+                      quantization=quant.Quantization("dequantize", two_d))
+    try:
+        jax.eval_shape(forward, params, tokens)
+    except quant.QuantError as e:
+        return [f"quant={run.quant}: {e}"]
+    return []
+
+
+def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target,
+              fsdp_devices: int = 0):
+    """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
+    alone, which under expert parallelism needs the number of `fsdp_devices` it is one of."""
+    fsdp_devices = fsdp_devices or (rules.mesh.shape.get("fsdp", 1) if rules else 1)
+    return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
+                   rules=rules, dtype=jnp.dtype(run.compute_dtype),
+                   balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks,
+                   **forward_options(model, run, fsdp_devices, target))
+
+
+def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
+    """The jitted train step, its state donated."""
+    step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
+                   optimizer=optimizer, router_bias_rate=run.router_bias_rate)
+    return jax.jit(step, donate_argnums=0)
+
+
+def compile_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
+    """The train step as `target` runs it, compiled ahead of time from the abstract state and
+    batch on `rules.mesh` (nothing allocated): a run calls it with its own devices, `--compile`
+    and the tests with compile-only GPUs, so both compile the same program."""
+    step = make_step(model, run, tables, rules, optimizer, target)
+    n_devices = rules.mesh.devices.size
+    with kernel_checks(target):
+        lowered = step.lower(abstract_state(model, run, rules, optimizer),
+                             abstract_batch(run, rules, n_devices))
+    try:
+        return lowered.compile(compiler_options(run, target))
+    except jax.errors.JaxRuntimeError as e:
+        if "compile option" in str(e):  # an XLA flag this jaxlib does not know
+            raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
+        raise

@@ -1,0 +1,147 @@
+"""What a train step is built for: this machine's devices, compile-only devices of a GPU
+described by XLA's target spec (`compile_only`: XLA's real GPU compiler on a machine without
+one), or "any" backend (tracing and export over abstract meshes); and what follows from it:
+kernels, the NVFP4 path, the XLA flags a compile gets."""
+
+import contextlib
+import dataclasses
+
+import jax
+from jax.experimental import topologies
+
+from configs import ConfigError, RunConfig
+from configs.gpus import Gpu
+from model import deepseek, quant
+from model.config import DeepSeekConfig
+from runtime.backend import has_cuda_plugin, pool_bytes, quiet
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a train step is built for: `platform` "cpu" or "gpu" (with its compute capability),
+    or "any": only kernels every backend lowers, for tracing and `jax.export` over abstract
+    meshes (the static plan). `gpu` is set for compile-only devices made from its spec."""
+    platform: str
+    capability: tuple[int, int] | None = None
+    devices: tuple = ()
+    gpu: Gpu | None = None
+
+    @property
+    def blackwell(self) -> bool:
+        """Compute capability 10.x (B200, GB200): XLA runs block-scaled dots on FP4 cores."""
+        return self.capability is not None and self.capability[0] == 10
+
+    def pool_bytes(self) -> int | None:
+        """What XLA's memory pool has on each GPU: the allocator's limit on a real one, the
+        memory fraction of the spec's memory on compile-only ones; None elsewhere."""
+        if self.gpu is not None:
+            return pool_bytes(self.gpu)
+        if self.platform != "gpu":
+            return None
+        return (self.devices[0].memory_stats() or {}).get("bytes_limit")
+
+    @property
+    def description(self) -> str:
+        if self.gpu is not None:
+            return (f"{len(self.devices)} x {self.gpu.device_kind}, compile-only (XLA's GPU "
+                    "compiler, no GPU)")
+        kind = self.devices[0].device_kind if self.devices else self.platform
+        return f"{len(self.devices)} x {kind}"
+
+
+ANY = Target("any")
+
+
+def this_machine() -> Target:
+    with quiet():
+        devices = tuple(jax.devices())
+    capability = getattr(devices[0], "compute_capability", None)
+    if capability is not None:
+        capability = tuple(int(part) for part in str(capability).split(".")[:2])
+    return Target(devices[0].platform, capability, devices)
+
+
+def compile_only(gpu: Gpu, n_devices: int) -> Target:
+    """`n_devices` compile-only GPUs of `gpu`'s spec, in hosts of gpu.per_host."""
+    if not has_cuda_plugin():
+        raise ConfigError("compiling for a GPU needs the CUDA compile extra: "
+                          ".venv/bin/pip install -e '.[gpu-compile]' (or make compile-...)")
+    with quiet():
+        topology = topologies.get_topology_desc(platform="cuda",
+                                                topology=gpu.topology(n_devices),
+                                                target_config=gpu.spec)
+    return Target("gpu", gpu.capability, tuple(topology.devices), gpu)
+
+
+@contextlib.contextmanager
+def kernel_checks(target: Target):
+    """While tracing for compile-only GPUs: JAX's Python-side cuDNN attention checks read the
+    compute capability of the default backend (this machine's CPU), which would refuse
+    DeepSeek's head dim 192 as if on an old GPU; they are given the target's instead."""
+    if target.gpu is None:
+        yield
+        return
+    # Reaching inside: the checks are module functions of JAX's cuDNN attention (jax 0.12).
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    def at_least(version: str) -> bool:
+        return target.capability >= tuple(int(x) for x in version.split("."))
+
+    def equal(version: str) -> bool:
+        return target.capability == tuple(int(x) for x in version.split("."))
+
+    names = ("check_compute_capability", "is_cuda_compute_capability_equal")
+    saved = [getattr(cudnn_attention, name) for name in names]
+    for name, check in zip(names, (at_least, equal)):
+        setattr(cudnn_attention, name, check)
+    try:
+        yield
+    finally:
+        for name, check in zip(names, saved):
+            setattr(cudnn_attention, name, check)
+
+
+def forward_options(model, run: RunConfig, fsdp_devices: int, target: Target) -> dict:
+    """The forward arguments that depend on the target: the attention kernel (cuDNN's fused
+    one on GPUs in bf16/fp16, XLA's elsewhere, and always on target "any"), the NVFP4 path
+    and, for MoE models, how routed experts are computed (grouped GEMMs on accelerators; every
+    expert densely on CPUs, where ragged_dot is slow) and split (over the fsdp devices, under
+    expert parallelism)."""
+    on_cpu = target.platform == "cpu"
+    attention = "xla" if target.platform == "any" else run.attention
+    if attention == "auto":
+        fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
+        attention = "cudnn" if fused else "xla"
+    options = {"attention": None if attention == "xla" else attention,
+               "quantization": quantization(run, target)}
+    if isinstance(model, DeepSeekConfig) and run.expert_parallel:
+        # A device runs each of its experts as one GEMM over its blocks: no expert path.
+        options["expert_parallel"] = deepseek.ExpertParallel(fsdp_devices, run.expert_capacity)
+    elif isinstance(model, DeepSeekConfig):
+        path = run.expert_path
+        options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
+    return options
+
+
+def quantization(run: RunConfig, target: Target) -> quant.Quantization | None:
+    """NVFP4 products on Blackwell's FP4 tensor cores (JAX's block-scaled dot, 1x16 blocks
+    only), else quantize-dequantize and a GEMM in the compute dtype."""
+    if run.quant == "none":
+        return None
+    two_d = run.quant_tiles == "16x16"
+    return quant.Quantization("scaled" if target.blackwell and not two_d else "dequantize",
+                              two_d)
+
+
+def compiler_options(run: RunConfig, target: Target) -> dict:
+    """The run's XLA flags as per-compile options, typed; a GPU target only, so they can never
+    break a CPU compile. Compile-only devices also turn off XLA's CUB radix sort, whose
+    rewriter asks the CUDA runtime for a device (a real GPU keeps it)."""
+    if target.platform != "gpu":
+        return {}
+    def typed(v: str):
+        return {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+    options = {k: typed(v) for k, v in run.xla_flags.items()}
+    if target.gpu is not None:
+        options["xla_gpu_enable_cub_radix_sort"] = False
+    return options
