@@ -18,6 +18,7 @@ GPUs) -> sharded init -> loop -> report.
 
 from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
 
+import dataclasses
 import signal
 import sys
 import time
@@ -39,53 +40,60 @@ from trainer.target import Target, compile_only, this_machine
 def train(setup: Setup, target: Target) -> dict | None:
     """Run the experiment; its summary (with `stopped_by` when a signal ended it early), or
     None when the loss stopped being finite."""
+    run, devices = setup.run, len(target.devices)
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
         state, done = start_state(setup, target)
         built = build(setup, target)
         check_addressing(built)
-        run, n_devices = setup.run, len(target.devices)
-        batch_size = run.batch(n_devices)
-        batch = global_batch(setup, done, built.rules.sharding(("batch", None)), batch_size)
-        flops = families.of(setup.model).training_flops(setup.model, batch_size / n_devices,
-                                                            run.seq)
-        log = report.RunLog(setup, built, batch_size, flops, first_step=done + 1)
-        saver = checkpoints.Saver(log.checkpoint_dir, run.keep, run.checkpoint_every)
+        run_dir = report.RunDir.create(setup)
+        run_dir.write("config.json", {
+            "experiment": setup.experiment.name, "scale": setup.scale,
+            "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(run),
+            "policy": setup.tables})
+        batch_size = run.batch(devices)
+        flops = families.of(setup.model).training_flops(setup.model, batch_size / devices,
+                                                        run.seq)
+        report.print_header(setup, built, batch_size, flops, run_dir, first_step=done + 1)
+        log = report.StepLog(setup, built, run_dir, batch_size, flops, first_step=done + 1)
+        saver = checkpoints.Saver(run_dir.checkpoints, run.keep, run.checkpoint_every)
         try:
-            last = _loop(setup, built, state, batch, done, log, saver, stop)
+            last = loop(setup, built, state, done, log, saver, stop)
         finally:
             saver.close()
     if last is None:
         return None
     stopped = stop.signal if last < run.steps else None  # on the last step it stops nothing
     if saver.saved:
-        log.say_checkpoint(saver.saved[-1], stopped)
+        report.say(report.checkpoint_line(setup, run_dir, saver.saved[-1], stopped))
     return {**log.summary(), **({"stopped_by": stopped.name} if stopped else {})}
 
 
-def _loop(setup, built, state, batch, done, log, saver, stop) -> int | None:
-    """Steps done+1.. until the last or a stop request; the last step, or None when the loss
-    stopped being finite. Metrics are read one step late (the host runs ahead), except where a
-    checkpoint is saved: a state is saved only once its loss is known to be finite."""
-    run, batch_sharding = setup.run, built.rules.sharding(("batch", None))
-    batch_size = batch.shape[0]
-    pending = None  # (step, metrics) dispatched, not yet read
-    for i in range(done + 1, run.steps + 1):
-        log.maybe_start_profile(i)
+def loop(setup: Setup, built, state, done: int, log, saver, stop) -> int | None:
+    """Steps done+1.. to the last, or to a stop request: each step dispatched, then the
+    previous one's metrics read (the host runs a step ahead), a checkpoint where one is due
+    (its step's loss read first: only a finite state is saved), then the stop. The last step
+    done, or None when the loss stopped being finite."""
+    run, sharding = setup.run, built.rules.sharding(("batch", None))
+    batch_size = run.batch(len(built.target.devices))
+    batch = global_batch(setup, done, sharding, batch_size)
+    unread = None  # (step, metrics): dispatched, not read yet
+    for step in range(done + 1, run.steps + 1):
+        log.starting(step)
         state, metrics = built.compiled(state, batch)
-        stopping = stop.reached(i)
-        if i < run.steps and not stopping:
-            batch = global_batch(setup, i, batch_sharding, batch_size)
-        if pending and not log.step_done(*pending):
+        stopping = stop.reached(step)
+        if step < run.steps and not stopping:
+            batch = global_batch(setup, step, sharding, batch_size)
+        if unread and not log.finished(*unread):
             return None
-        pending = (i, metrics)
-        if stopping or saver.due(i, run.steps):
-            if not log.step_done(*pending):
+        unread = (step, metrics)
+        if stopping or saver.due(step, run.steps):
+            if not log.finished(*unread):
                 return None
-            pending = None
-            saver.save(i, state, checkpoints.run_meta(i, setup, batch_size))
+            unread = None
+            saver.save(step, state, checkpoints.run_meta(step, setup, batch_size))
         if stopping:
-            return i
-    return i if pending is None or log.step_done(*pending) else None
+            return step
+    return run.steps if unread is None or log.finished(*unread) else None
 
 
 def print_plan(name: str, args: list[str]) -> None:
@@ -182,29 +190,54 @@ def list_experiments() -> None:
         print(f"{name:<{width}}  runs {', '.join(members)}; one table")
 
 
+MODES = {"--plan": print_plan, "--compile": print_compile, "--search": print_search}
+
+
+def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
+    """(what to do, the experiment or comparison, its key=value words), or ConfigError for a
+    word or flag the command line would otherwise ignore."""
+    first, rest = argv[0], argv[1:]
+    if first in ("-h", "--help", "--list") and rest:
+        raise ConfigError(f"{first} takes nothing more, got {' '.join(rest)!r}")
+    if first in ("-h", "--help", "--list", "export"):
+        return first, None, rest
+    if first.startswith("-"):
+        raise ConfigError(f"unknown flag {first!r}: the first word names an experiment "
+                          "(python train.py --list), export, --list or --help")
+    flags = [a for a in rest if a.startswith("-")]
+    if unknown := [f for f in flags if f not in MODES]:
+        raise ConfigError(f"unknown flag {unknown[0]!r}; the modes are {', '.join(MODES)}")
+    if len(flags) > 1:
+        raise ConfigError(f"one mode at a time, got {' '.join(flags)}")
+    return (flags[0] if flags else "run"), first, [a for a in rest if a not in flags]
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
         print(__doc__.strip())
-        return 0 if argv else 2
-    if argv[0] == "--list":
-        list_experiments()
-        return 0
-    name, args = argv[0], [a for a in argv[1:] if a not in ("--plan", "--compile", "--search")]
+        return 2
     try:
-        distributed.initialize()  # before the backend starts: multi-host runs join here
-        target = this_machine()  # starts JAX's backend (quietly; see backend.py)
-        if name == "export":
-            export(argv[1:])
+        what, name, args = command(argv)
+        if what in ("-h", "--help"):
+            print(__doc__.strip())
             return 0
-        for flag, show in (("--plan", print_plan), ("--compile", print_compile),
-                           ("--search", print_search)):
-            if flag in argv:
-                for member in configs.COMPARISONS.get(name, (name,)):
-                    show(member, args)
-                return 0
-        if name in configs.COMPARISONS:
+        if what == "--list":
+            list_experiments()
+            return 0
+        if what != "export":
+            configs.parse_overrides(args)  # a word that is not key=value, before JAX starts
+        distributed.initialize()  # before the backend starts: multi-host runs join here
+        target = this_machine()  # starts JAX's backend (quietly: runtime/backend.py)
+        if what == "export":
+            export(args)
+        elif what in MODES:
+            for member in configs.COMPARISONS.get(name, (name,)):
+                MODES[what](member, args)
+        elif name in configs.COMPARISONS:
             return compare(name, args, target)
-        return exit_status(train(resolve(name, args, target.devices), target))
+        else:
+            return exit_status(train(resolve(name, args, target.devices), target))
+        return 0
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

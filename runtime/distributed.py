@@ -1,20 +1,14 @@
-"""Joining a multi-host JAX cluster: which launcher started this process, the
-`jax.distributed.initialize` arguments that follow from its environment, and one clear line
-(a ConfigError, exit status 2) instead of a hang or a C++ abort when they cannot work.
+"""Joining a multi-host JAX cluster: JAX's own detection, and what `jax.distributed.initialize`
+lacks: gloo collectives between CPU processes, a bounded wait for the others, a taken
+coordinator port named before JAX binds it, and one line (a ConfigError, exit status 2)
+instead of a hang or a C++ abort.
 
-Launchers, first match wins:
-  - Open MPI (`mpirun`): OMPI_COMM_WORLD_SIZE / _RANK / _LOCAL_RANK / _LOCAL_SIZE; the
-    coordinator is the launching host from OMPI_MCA_orte_hnp_uri (Open MPI 4), or
-    JAX_COORDINATOR_ADDRESS (Open MPI 5 has no such variable).
-  - SLURM (`srun`): SLURM_NTASKS / _PROCID / _LOCALID, the coordinator the first host of
-    SLURM_STEP_NODELIST. Only a job step (srun) sets SLURM_STEP_*: a batch script's own
-    commands (a plan before the srun) stay single processes though SLURM_NTASKS is set.
-    Checked after Open MPI because `mpirun` inside a SLURM job inherits SLURM_* variables.
-  - An explicit launch: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, all
-    three (JAX itself reads only the address).
-JAX_COORDINATOR_ADDRESS overrides a launcher's coordinator, JAX_COORDINATOR_PORT its port (the
-default port is JAX's, from the job id). A process sees every device of its host when it is
-the only one there, else the one GPU of its local rank (JAX_LOCAL_DEVICE_IDS to choose).
+Launches are those JAX detects (a SLURM job step, Open MPI, ...; JAX_COORDINATOR_ADDRESS and
+JAX_LOCAL_DEVICE_IDS override what it finds), and an explicit one: JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID, all three (JAX reads only the address). A detected
+process uses its local rank's GPU (JAX's rule; the batch scripts start one process per GPU).
+A batch script's own commands (the plan before its srun) stay single processes: only a job
+step sets the variables JAX's SLURM detection reads.
 """
 
 import contextlib
@@ -26,8 +20,12 @@ import socket
 import sys
 import tempfile
 import threading
+import warnings
 
 import jax
+# Reaching inside: the detection jax.distributed.initialize runs itself, asked first so that a
+# single process skips initialize and a taken port is named before JAX binds it.
+from jax._src.clusters import ClusterEnv
 
 from configs import ConfigError
 from runtime import backend
@@ -39,105 +37,66 @@ DEFAULT_TIMEOUT_S = 300
 # JAX's own deadline stays later than ours: when it passes, XLA aborts the process with a
 # C++ stack trace instead of raising.
 _JAX_GRACE_S = 30
+EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """The arguments of `jax.distributed.initialize` and where they came from."""
-    launcher: str  # "openmpi", "slurm" or "explicit"
+    """The arguments of `jax.distributed.initialize`."""
     coordinator: str  # host:port of process 0's coordination service
     num_processes: int
     process_id: int
     local_device_ids: tuple[int, ...] | None = None  # None: every device this process sees
 
     def describe(self) -> str:
-        return (f"process {self.process_id} of {self.num_processes} ({self.launcher} launch, "
-                f"coordinator {self.coordinator})")
+        return (f"process {self.process_id} of {self.num_processes} (coordinator "
+                f"{self.coordinator})")
 
 
-def _int(env, name: str) -> int:
-    value = env.get(name, "")
+def _int(name: str) -> int:
+    value = os.environ.get(name, "")
     if not re.fullmatch(r"\d+", value.strip()):
         raise ConfigError(f"{name}={value!r}: expected a non-negative integer")
     return int(value)
 
 
-def _address(env, host: str, default_port: int) -> str:
-    """JAX_COORDINATOR_ADDRESS if set, else host and JAX_COORDINATOR_PORT or `default_port`."""
-    if address := env.get("JAX_COORDINATOR_ADDRESS"):
-        return address
-    port = _int(env, "JAX_COORDINATOR_PORT") if env.get("JAX_COORDINATOR_PORT") else default_port
-    return f"{host}:{port}"
-
-
-def _job_port(job_id: int) -> int:
-    """JAX's port for a job: one of the top 4096, so concurrent jobs rarely collide."""
-    return job_id % 4096 + 61440
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM hostlist: 'gpu[007-010,12],cpu1' -> 'gpu007'."""
-    match = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", nodelist.strip())
-    if not match:
-        raise ConfigError(f"SLURM_STEP_NODELIST={nodelist!r}: no host in it")
-    return match.group(1) + (match.group(2) or "")
-
-
-def _local_ids(env, local_rank: str | None = None) -> tuple[int, ...] | None:
-    """JAX_LOCAL_DEVICE_IDS if set; else, for a process sharing its host, the GPU of its rank
-    there (the variable `local_rank`); else None: every device it sees."""
-    if ids := env.get("JAX_LOCAL_DEVICE_IDS"):
-        if not re.fullmatch(r"\d+(,\d+)*", ids):
-            raise ConfigError(f"JAX_LOCAL_DEVICE_IDS={ids!r}: expected integers, comma-separated")
-        return tuple(int(i) for i in ids.split(","))
-    return None if local_rank is None else (_int(env, local_rank),)
-
-
-def _openmpi(env) -> Launch:
-    size, rank = _int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK")
-    uri = env.get("OMPI_MCA_orte_hnp_uri", "")
-    # e.g. 1531576320.0;tcp://10.96.0.1,10.148.0.1:34911: the launcher's job id and its IPs
-    host = re.search(r"tcp://([^,:;]+)|tcp6://\[([^,\]]+)", uri)
-    if host is None and not env.get("JAX_COORDINATOR_ADDRESS"):
-        raise ConfigError("Open MPI launch without OMPI_MCA_orte_hnp_uri (Open MPI 5?): set "
-                          "JAX_COORDINATOR_ADDRESS=<rank 0's host>:<free port>")
-    job = int(uri.split(".")[0]) // 4096 if uri.split(".")[0].isdigit() else 0
-    shared = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1") != "1"
-    return Launch("openmpi", _address(env, host and (host[1] or host[2]), _job_port(job)),
-                  size, rank, _local_ids(env, "OMPI_COMM_WORLD_LOCAL_RANK" if shared else None))
-
-
-def _slurm(env) -> Launch:
-    tasks, task = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID")
-    nodes = _int(env, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in env else tasks
-    host = first_host(env["SLURM_STEP_NODELIST"])
-    return Launch("slurm", _address(env, host, _job_port(_int(env, "SLURM_JOB_ID"))), tasks,
-                  task, _local_ids(env, "SLURM_LOCALID" if tasks > nodes else None))
-
-
-EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
-def _explicit(env) -> Launch:
-    if missing := [name for name in EXPLICIT if not env.get(name)]:
-        given = [name for name in EXPLICIT if env.get(name)]
+def _explicit() -> Launch:
+    if missing := [name for name in EXPLICIT if not os.environ.get(name)]:
+        given = [name for name in EXPLICIT if os.environ.get(name)]
         raise ConfigError(f"{' and '.join(given)} set without {' and '.join(missing)}: an "
                           f"explicit multi-process launch sets all of {', '.join(EXPLICIT)}")
-    return Launch("explicit", env["JAX_COORDINATOR_ADDRESS"], _int(env, "JAX_NUM_PROCESSES"),
-                  _int(env, "JAX_PROCESS_ID"), _local_ids(env))
+    ids = _local_ids()
+    return Launch(os.environ[EXPLICIT[0]], _int(EXPLICIT[1]), _int(EXPLICIT[2]),
+                  None if ids is None else tuple(ids))
 
 
-def detect(env=os.environ) -> Launch | None:
-    """The launch this environment describes; None for a single process."""
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        launch = _openmpi(env)
-    elif all(name in env for name in ("SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")):
-        launch = _slurm(env)
-    elif any(env.get(name) for name in EXPLICIT):
-        launch = _explicit(env)
+def _local_ids() -> list[int] | None:
+    """JAX_LOCAL_DEVICE_IDS (which JAX reads too), checked."""
+    ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
+    if ids and not re.fullmatch(r"\d+(,\d+)*", ids):
+        raise ConfigError(f"JAX_LOCAL_DEVICE_IDS={ids!r}: expected integers, comma-separated")
+    return list(map(int, ids.split(","))) if ids else None
+
+
+def detect() -> Launch | None:
+    """The launch this process's environment describes; None for a single process."""
+    if any(os.environ.get(name) for name in EXPLICIT[1:]):
+        launch = _explicit()
     else:
-        return None
-    if not re.fullmatch(r"\[?[\w.:\-]+\]?:\d+", launch.coordinator):
+        # What jax.distributed.initialize hands its detection: the two variables it reads.
+        given = (os.environ.get(EXPLICIT[0]) or None, None, None, _local_ids())
+        try:  # (JAX probes Kubernetes too, and warns in any container without its package)
+            with warnings.catch_warnings(action="ignore"):
+                address, count, index, local = ClusterEnv.auto_detect_unset_distributed_params(
+                    *given, None, None)
+        except (ValueError, KeyError, RuntimeError) as e:  # a malformed launcher variable
+            raise ConfigError(f"the launch's environment does not parse: {e}") from None
+        if count is None:
+            if address:  # JAX_COORDINATOR_ADDRESS alone is no launch: say what is missing
+                _explicit()
+            return None
+        launch = Launch(address, count, index, None if local is None else tuple(local))
+    if not re.fullmatch(r"\[?[\w.:\-]+\]?:\d+", launch.coordinator or ""):
         raise ConfigError(f"coordinator address {launch.coordinator!r}: expected host:port")
     if launch.num_processes < 1 or launch.process_id >= launch.num_processes:
         raise ConfigError(f"{launch.describe()}: the process id must be below the number of "
@@ -145,8 +104,8 @@ def detect(env=os.environ) -> Launch | None:
     return launch if launch.num_processes > 1 else None
 
 
-def _timeout(env) -> int:
-    seconds = _int(env, TIMEOUT_VARIABLE) if env.get(TIMEOUT_VARIABLE) else DEFAULT_TIMEOUT_S
+def _timeout() -> int:
+    seconds = _int(TIMEOUT_VARIABLE) if os.environ.get(TIMEOUT_VARIABLE) else DEFAULT_TIMEOUT_S
     if seconds < 1:
         raise ConfigError(f"{TIMEOUT_VARIABLE}={seconds}: expected at least 1 second")
     return seconds
@@ -154,8 +113,8 @@ def _timeout(env) -> int:
 
 def _port_taken(coordinator: str) -> bool:
     """Whether another program listens on the coordinator's port here, on any address (JAX
-    binds [::]:port). XLA's service (jaxlib 0.10.2) then sometimes crashes instead of
-    raising; gRPC reuses addresses, so a closed socket's TIME_WAIT is not taken."""
+    binds [::]:port). XLA's service has then crashed instead of raising (jaxlib 0.10.2); gRPC
+    reuses addresses, so a closed socket's TIME_WAIT is not taken."""
     port = int(coordinator.rsplit(":", 1)[1])
     for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
@@ -200,19 +159,19 @@ def _give_up(launch: Launch, seconds: int, stderr: int) -> None:
     os._exit(2)  # the main thread is blocked inside XLA's connect
 
 
-def initialize(env=os.environ) -> Launch | None:
+def initialize() -> Launch | None:
     """Join the cluster this process was launched into, if any, before JAX's backend starts.
     A CPU backend's collectives then go over gloo (JAX's CPU default runs none across
     processes)."""
-    launch = detect(env)
+    launch = detect()
     if launch is None or jax.distributed.is_initialized():
         return launch
-    seconds = _timeout(env)
-    if (launch.process_id == 0 and not env.get("JAX_COORDINATOR_BIND_ADDRESS")
+    seconds = _timeout()
+    if (launch.process_id == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
             and _port_taken(launch.coordinator)):
         raise ConfigError(f"{launch.describe()}: the coordinator's port is taken on this host "
                           "(another job's coordinator?): choose another")
-    if not backend.has_gpu() or env.get("JAX_PLATFORMS", "").startswith("cpu"):
+    if not backend.has_gpu() or os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     local = None if launch.local_device_ids is None else list(launch.local_device_ids)
     try:

@@ -1,4 +1,6 @@
-"""What a run prints and writes: header, a line per step, summary; metrics.jsonl per run."""
+"""What a run prints and writes: its folder (config.json, metrics.jsonl, summary.json, the
+profile), the header (built as rows of data), a line per step, the summary; comparison
+tables. Only process 0 prints and writes."""
 
 import dataclasses
 import json
@@ -112,144 +114,166 @@ def _shared_run_dir(root: str, name: str) -> Path:
     return Path(bytes(np.asarray(text)).rstrip(b"\0").decode())
 
 
-class RunLog:
-    """Prints on process 0 only; times each step from the previous step's completion."""
+class RunDir:
+    """A run's folder under out_dir, `<experiment>-<scale>-<time>`: always a fresh one, so
+    nothing earlier is overwritten. Process 0 makes it and tells the others its name (they
+    write their checkpoint shards under it); only process 0 writes its files."""
 
-    def __init__(self, setup, built, batch_size: int, flops: float, first_step: int = 1):
-        self.setup, self.run, self.flops, self.built = setup, setup.run, flops, built
-        self.first_step = first_step
+    def __init__(self, path: Path, checkpoints: Path):
+        self.path, self.checkpoints = path, checkpoints
+        self.main = jax.process_index() == 0
+
+    @classmethod
+    def create(cls, setup) -> "RunDir":
+        path = _shared_run_dir(setup.run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        return cls(path, Path(setup.run.checkpoint_dir or path / "checkpoints"))
+
+    def write(self, name: str, record: dict) -> None:
+        if self.main:
+            (self.path / name).write_text(json.dumps(record, indent=2, default=str))
+
+    def append(self, name: str, record: dict) -> None:
+        if self.main:
+            with open(self.path / name, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def say(text: str = "") -> None:
+    """Print on process 0 only."""
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
+                first_step: int) -> list[tuple[str, str]]:
+    """The run header as (key, value) rows: what runs, where, at which scale, with which
+    kernels, flags and placement, and where its outputs go."""
+    run, full, target, mesh = setup.run, setup.experiment, built.target, built.mesh
+    devices = len(target.devices)
+    scale = ("PROXY -- a small model of the same family, not the study's numbers"
+             if setup.scale == "proxy" else "FULL -- the study's model and run settings")
+    compute = run.compute_dtype
+    if setup.scale == "proxy" and compute != full.run.compute_dtype:
+        compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
+    pool = ""
+    if target.platform == "gpu":
+        compiled = memory.CompiledMemory.of(built.compiled)
+        fraction, variable = backend.memory_fraction()
+        pool = (f"\n{'':12}the step needs {compiled.device / GiB:.1f} GiB of JAX's "
+                f"{(target.pool_bytes() or 0) / GiB:.1f} GiB pool per GPU ({variable}="
+                f"{fraction:g}) and {compiled.host / GiB:.1f} GiB of pinned host memory")
+    dropped = ("\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
+               "CPU lowering drops placement annotations)" if target.platform != "gpu" and any(
+                   "offload" in t.values() for t in (setup.tables or {}).values()) else "")
+    return [
+        ("experiment", f"{full.name}: {full.summary}"),
+        ("scale", f"{scale}\n{'':12}({setup.scale_reason})"),
+        ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
+        ("full scale", model_line(full.model)),
+        ("devices", f"{target.description}, mesh {dict(mesh.shape)}{pool}"),
+        ("batch", f"{batch_size} sequences x {run.seq} tokens "
+                  f"({batch_size / devices:g} per device)"),
+        ("dtypes", f"params {run.param_dtype}, compute {compute}; "
+                   "softmax, norms and loss float32"),
+        ("kernels", kernels_line(setup.model, run, mesh, target)),
+        ("policy", f"{run.policy}: {_policy_line(setup.tables)}{dropped}"),
+        ("xla flags", flags_line(run, target)),
+        ("data", run.data.path or f"synthetic uniform tokens, seed {run.seed}"),
+        ("checkpoints", _checkpoint_words(setup, run_dir, first_step)),
+        ("compile", f"{built.compile_s:.1f} s; model {flops / 1e12:,.2f} TFLOP per "
+                    "device per step (MaxText's formula)"),
+        ("output", str(run_dir.path)),
+    ]
+
+
+def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
+                 first_step: int) -> None:
+    """The header rows, the full-scale plan and this run's placement list."""
+    say("=" * 100)
+    for key, value in header_rows(setup, built, batch_size, flops, run_dir, first_step):
+        say(f"{key:<11} {value}")
+    say("=" * 100)
+    full = setup.experiment
+    full_run = dataclasses.replace(full.run, policy=setup.run.policy,
+                                   placements=setup.run.placements)
+    for line in plan.plan_lines(full.name, full_run, built.full_plan):
+        say(line)
+    say("-" * 100)
+    proof = ("checked on the compiled program's host buffers" if built.target.platform
+             == "gpu" else "proved on the program exported for a GPU")
+    say(f"placement, this run (per device; {proof}):")
+    for line in plan.placement_lines(built.run_tags):
+        say(line)
+    say("=" * 100)
+
+
+def _checkpoint_words(setup, run_dir: RunDir, first_step: int) -> str:
+    run, resume = setup.run, setup.resume
+    every = (f"every {run.checkpoint_every} steps and at the end, the newest {run.keep} kept"
+             if run.checkpoint_every else "off")
+    words = f"{every}; on SIGTERM or Ctrl-C at the next step boundary; {run_dir.checkpoints}"
+    if resume is not None:
+        words += (f"\n{'':12}resumed from {resume.directory} at step {first_step - 1} "
+                  "(data continues: batches are a function of (seed, step))")
+    return words
+
+
+def checkpoint_line(setup, run_dir: RunDir, path: Path, stopped_by) -> str:
+    """Where the last checkpoint is, and the command that continues the run from it."""
+    stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
+    resume = run_dir.checkpoints if setup.run.checkpoint_dir else run_dir.path
+    args = [a for a in setup.args if not a.startswith(("resume=", "checkpoint_dir="))]
+    return (f"checkpoint  {stop}{path} (complete); continue with: python train.py "
+            f"{' '.join([setup.experiment.name, *args])} resume={resume}")
+
+
+class StepLog:
+    """Each step's line and record: its time (from the previous step's completion), loss,
+    tokens/s, TFLOP/s/device and ETA, printed by process 0 and appended to metrics.jsonl;
+    with profile=true a trace of the run's second to fourth steps."""
+
+    def __init__(self, setup, built, run_dir: RunDir, batch_size: int, flops: float,
+                 first_step: int):
+        self.run, self.built, self.run_dir, self.flops = setup.run, built, run_dir, flops
+        self.tokens, self.first_step = batch_size * setup.run.seq, first_step
         offloaded = [line.value for line in built.run_tags if line.offloaded]
         self.host_planned = sum(v.nbytes * v.count for v in offloaded)
-        self.tokens = batch_size * setup.run.seq
-        self.devices = len(built.target.devices)
-        self.main = jax.process_index() == 0
+        last = min(first_step + 3, setup.run.steps)
+        self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
         self.times: list[float] = []
-        profile_last = min(first_step + 3, setup.run.steps)
-        self.profile_steps = ((min(first_step + 1, profile_last), profile_last)
-                              if setup.run.profile else None)
-        self.dir = _shared_run_dir(setup.run.out_dir, f"{setup.experiment.name}-{setup.scale}")
-        self.checkpoint_dir = Path(setup.run.checkpoint_dir or self.dir / "checkpoints")
-        if self.main:
-            (self.dir / "config.json").write_text(json.dumps({
-                "experiment": setup.experiment.name, "scale": setup.scale,
-                "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
-                "policy": setup.tables}, indent=2, default=str))
-            self.metrics = open(self.dir / "metrics.jsonl", "a")
-        self._print_header(batch_size)
-        full = setup.experiment
-        full_run = dataclasses.replace(full.run, policy=setup.run.policy,
-                                       placements=setup.run.placements)
-        for line in plan.plan_lines(full.name, full_run, built.full_plan):
-            self._say(line)
-        self._say("-" * 100)
-        proof = ("checked on the compiled program's host buffers" if built.target.platform
-                 == "gpu" else "proved on the program exported for a GPU")
-        self._say(f"placement, this run (per device; {proof}):")
-        for line in plan.placement_lines(built.run_tags):
-            self._say(line)
-        self._say("=" * 100)
         self.last = time.perf_counter()
 
-    def _say(self, text: str = "") -> None:
-        if self.main:
-            print(text, flush=True)
+    def starting(self, step: int) -> None:
+        if self.run_dir.main and self.profiled and step == self.profiled[0]:
+            jax.profiler.start_trace(str(self.run_dir.path / "profile"))
 
-    def _print_header(self, batch_size: int) -> None:
-        s, run, full, target = self.setup, self.run, self.setup.experiment, self.built.target
-        mesh = self.built.mesh
-        scale = ("PROXY -- a small model of the same family, not the study's numbers"
-                 if s.scale == "proxy" else "FULL -- the study's model and run settings")
-        compute = run.compute_dtype
-        if s.scale == "proxy" and compute != full.run.compute_dtype:
-            compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
-        data = run.data.path or f"synthetic uniform tokens, seed {run.seed}"
-        compiled = memory.CompiledMemory.of(self.built.compiled)
-        pool = ""
-        if target.platform == "gpu":
-            fraction, variable = backend.memory_fraction()
-            pool = (f"\n{'':12}the step needs {compiled.device / GiB:.1f} GiB of JAX's "
-                    f"{(target.pool_bytes() or 0) / GiB:.1f} GiB pool per GPU ({variable}="
-                    f"{fraction:g}) and {compiled.host / GiB:.1f} GiB of pinned host memory")
-        rows = [
-            ("experiment", f"{full.name}: {full.summary}"),
-            ("scale", f"{scale}\n{'':12}({s.scale_reason})"),
-            ("model", model_line(s.model) + (f" from {run.init_from}" if run.init_from else "")),
-            ("full scale", model_line(full.model)),
-            ("devices", f"{target.description}, mesh {dict(mesh.shape)}{pool}"),
-            ("batch", f"{batch_size} sequences x {run.seq} tokens "
-                      f"({batch_size / self.devices:g} per device)"),
-            ("dtypes", f"params {run.param_dtype}, compute {compute}; "
-                       "softmax, norms and loss float32"),
-            ("kernels", kernels_line(s.model, run, mesh, target)),
-            ("policy", f"{run.policy}: {_policy_line(s.tables)}" + (
-                "\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
-                "CPU lowering drops placement annotations)" if target.platform != "gpu" and any(
-                    "offload" in t.values() for t in (s.tables or {}).values()) else "")),
-            ("xla flags", flags_line(run, target)),
-            ("data", data),
-            ("checkpoints", self._checkpoint_words()),
-            ("compile", f"{self.built.compile_s:.1f} s; model {self.flops / 1e12:,.2f} TFLOP per "
-                        "device per step (MaxText's formula)"),
-            ("output", str(self.dir)),
-        ]
-        self._say("=" * 100)
-        for key, value in rows:
-            self._say(f"{key:<11} {value}")
-        self._say("=" * 100)
-
-    def _checkpoint_words(self) -> str:
-        run, resume = self.run, self.setup.resume
-        every = (f"every {run.checkpoint_every} steps and at the end, the newest {run.keep} kept"
-                 if run.checkpoint_every else "off")
-        words = f"{every}; on SIGTERM or Ctrl-C at the next step boundary; {self.checkpoint_dir}"
-        if resume is not None:
-            words += (f"\n{'':12}resumed from {resume.directory} at step {self.first_step - 1} "
-                      "(data continues: batches are a function of (seed, step))")
-        return words
-
-    def say_checkpoint(self, path: Path, stopped_by) -> None:
-        stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
-        resume = self.checkpoint_dir if self.run.checkpoint_dir else self.dir
-        args = [a for a in self.setup.args if not a.startswith(("resume=", "checkpoint_dir="))]
-        self._say(f"checkpoint  {stop}{path} (complete); continue with: python train.py "
-                  f"{' '.join([self.setup.experiment.name, *args])} resume={resume}")
-
-    def maybe_start_profile(self, step: int) -> None:
-        """A trace of steps 2-4 in the run folder: process 0's, of its own devices."""
-        if self.main and self.profile_steps and step == self.profile_steps[0]:
-            jax.profiler.start_trace(str(self.dir / "profile"))
-
-    def step_done(self, step: int, metrics) -> bool:
-        """Read a finished step's metrics (this waits for it); False if the loss is not finite."""
+    def finished(self, step: int, metrics) -> bool:
+        """Read a step's metrics (this waits for it); False if its loss is not finite."""
         values = {k: float(v) for k, v in metrics.items()}
-        loss = values["loss"]
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         self.times.append(seconds)
-        if self.main and self.profile_steps and step == self.profile_steps[1]:
+        if self.run_dir.main and self.profiled and step == self.profiled[1]:
             jax.profiler.stop_trace()
-            self._say(f"profile: {self.dir / 'profile'} (open in Perfetto or TensorBoard)")
-        if not math.isfinite(loss):
-            print(f"error: loss is {loss} at step {step}/{self.run.steps}; stopping",
+            say(f"profile: {self.run_dir.path / 'profile'} (open in Perfetto or TensorBoard)")
+        if not math.isfinite(values["loss"]):
+            print(f"error: loss is {values['loss']} at step {step}/{self.run.steps}; stopping",
                   file=sys.stderr)
             return False
         tflops = self.flops / seconds / 1e12
         eta = statistics.median(self.times) * (self.run.steps - step)
         experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}, dropped "
                    f"{values['expert_dropped']:.2%}" if "expert_dropped" in values else "")
-        self._say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {loss:.4f}  "
-                  f"{seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
-                  f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s{experts}")
-        self._write({"step": step, **values, "step_s": seconds,
-                     "tokens_per_s": self.tokens / seconds, "tflops_per_device": tflops})
+        say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {values['loss']:.4f}"
+            f"  {seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
+            f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s{experts}")
+        self.run_dir.append("metrics.jsonl", {
+            "step": step, **values, "step_s": seconds, "tokens_per_s": self.tokens / seconds,
+            "tflops_per_device": tflops})
         return True
 
-    def _write(self, record: dict) -> None:
-        if self.main:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
-
     def summary(self) -> dict:
+        """The run's figures (median step without the first, memory), printed and written."""
         timed = self.times[1:] or self.times  # step 1 carries one-off warm-up work
         median = statistics.median(timed)
         stats = jax.local_devices()[0].memory_stats() or {}
@@ -265,20 +289,18 @@ class RunLog:
         }
         peak = (_fmt_bytes(result["peak_device_bytes"]) if stats
                 else f"not reported by the {jax.default_backend()} backend")
-        self._say("-" * 100)
+        say("-" * 100)
         last = self.first_step + len(self.times) - 1
-        self._say(f"median step {median * 1e3:.1f} ms over steps {self.first_step + 1}..{last}"
-                  if len(self.times) > 1 else f"step time {median * 1e3:.1f} ms (one step)")
-        self._say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device, "
-                  f"{result['tokens_per_s']:,.0f} tokens/s")
-        self._say(f"memory      peak device {peak}; compiled temporaries "
-                  f"{_fmt_bytes(result['compiled_temp_bytes'])} (host "
-                  f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
-                  f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded "
-                  f"activations {_fmt_bytes(self.host_planned)} per device (planned)")
-        if self.main:
-            (self.dir / "summary.json").write_text(json.dumps(result, indent=2))
-            self.metrics.close()
+        say(f"median step {median * 1e3:.1f} ms over steps {self.first_step + 1}..{last}"
+            if len(self.times) > 1 else f"step time {median * 1e3:.1f} ms (one step)")
+        say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device, "
+            f"{result['tokens_per_s']:,.0f} tokens/s")
+        say(f"memory      peak device {peak}; compiled temporaries "
+            f"{_fmt_bytes(result['compiled_temp_bytes'])} (host "
+            f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
+            f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded "
+            f"activations {_fmt_bytes(self.host_planned)} per device (planned)")
+        self.run_dir.write("summary.json", result)
         return result
 
 

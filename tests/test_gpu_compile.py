@@ -135,7 +135,7 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
     assert not any(line.in_host_memory for line in built.run_tags)
     assert memory.CompiledMemory.of(built.compiled).host == 0
     setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
-    report.RunLog(setup, built, batch_size=16, flops=1e12)
+    report.print_header(setup, built, 16, 1e12, report.RunDir(tmp_path, tmp_path / "ckpt"), 1)
     out = capsys.readouterr().out
     assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out

@@ -225,6 +225,6 @@ def test_compare_runs_each_row_into_one_table(tmp_path, capsys, monkeypatch):
 def test_a_comparison_plans_and_compiles_each_of_its_rows(monkeypatch):
     shown = []
     for flag in ("plan", "compile"):
-        monkeypatch.setattr(train, f"print_{flag}", lambda name, args: shown.append(name))
+        monkeypatch.setitem(train.MODES, f"--{flag}", lambda name, args: shown.append(name))
         assert train.main(["llama405b-compare", f"--{flag}", "steps=2"]) == 0
     assert shown == list(configs.COMPARISONS["llama405b-compare"]) * 2

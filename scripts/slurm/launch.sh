@@ -1,6 +1,7 @@
 #!/bin/bash
 # What both batch scripts run: the XLA memory settings a GPU run needs, then one train.py per
-# SLURM task (srun), the tasks joining as one JAX cluster (distributed.py reads SLURM_*).
+# SLURM task (srun), the tasks joining as one JAX cluster (JAX's own SLURM detection,
+# runtime/distributed.py).
 # The experiment brings its own XLA flags; this sets what lies outside a compiled program.
 #
 #   scripts/slurm/launch.sh GPUS_PER_TASK EXPERIMENT [key=value ...]
