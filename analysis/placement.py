@@ -1,9 +1,9 @@
 """Proof of placement, at two depths.
 
-What JAX asks: export a step for a GPU (`jax.export`, platform "cuda") from abstract inputs
-and read where XLA is told to put each offloaded value. On a CPU, JAX drops memory placements
-when it lowers, so an offload policy there is only a numerical no-op; the program exported for
-"cuda" still carries them: one `annotate_device_placement` custom call with
+What JAX asks: lower a step for a GPU (platform "cuda", from any machine) from abstract inputs
+and read where XLA is told to put each offloaded value (the "exported" program). On a CPU, JAX
+drops memory placements when it lowers, so an offload policy there is only a numerical no-op;
+the program lowered for "cuda" still carries them: one `annotate_device_placement` custom call with
 `_xla_buffer_placement = "pinned_host"` per offloaded value in the forward loop body, and one
 with "device" where the backward pass brings it back. Nothing is allocated.
 
@@ -12,17 +12,16 @@ value offloaded inside a layer scan becomes one buffer stacked over the layers,
 `bf16[L, ...]{...:S(5)}` (memory space 5: pinned host), made by an `AllocateBuffer` custom
 call, written in the forward loop and read in the backward loop. XLA's host-offload passes
 could still keep a device copy or drop a move, or address the buffer wrongly: only the
-compiled program shows it (offload/addressing.py proves its addressing).
+compiled program shows it (analysis/addressing.py proves its addressing).
 """
 
 import re
 from collections import Counter
 
-from jax import export
 
 from analysis import addressing
 from analysis.addressing import Proof
-from analysis.trace import Tagged, offloaded_tags
+from analysis.trace import Tagged, offloaded_in
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
@@ -33,9 +32,9 @@ class PlacementError(AssertionError):
     """The exported program does not place values as the traced program says."""
 
 
-def exported_annotations(fn, *args) -> dict[str, Counter]:
-    """placement ("pinned_host" or "device") -> Counter of (shape, dtype) annotated so."""
-    module = export.export(fn, platforms=["cuda"])(*args).mlir_module()
+def annotations(module: str) -> dict[str, Counter]:
+    """placement ("pinned_host" or "device") -> Counter of (shape, dtype) annotated so, in a
+    StableHLO module lowered for a GPU."""
     found: dict[str, Counter] = {}
     for placement, dims, dtype in _ANNOTATION.findall(module):
         shape = tuple(int(d) for d in dims.split("x") if d)
@@ -44,15 +43,17 @@ def exported_annotations(fn, *args) -> dict[str, Counter]:
 
 
 def verify_offloads(fn, *args) -> set[tuple[str, str]]:
-    """(layer scan, tag) of every value the exported GPU program offloads to pinned host
-    memory and brings back.
+    """(layer scan, tag) of every value the program of `fn` (jitted), lowered for a GPU,
+    offloads to pinned host memory and brings back.
 
-    The traced program names the tag behind each move to host; the exported module must
+    The traced program names the tag behind each move to host; the lowered module must
     hold exactly those moves (same shapes and dtypes, each out and back), no more, no fewer.
+    One trace serves both.
     """
-    traced = offloaded_tags(fn, *args)
+    program = fn.trace(*args)
+    traced = offloaded_in(program.jaxpr.jaxpr)
     expected = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
-    exported = exported_annotations(fn, *args)
+    exported = annotations(program.lower(lowering_platforms=("cuda",)).as_text())
     for placement in ("pinned_host", "device"):
         if exported.get(placement, Counter()) != expected:
             raise PlacementError(
@@ -64,7 +65,7 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
 def compiled_host_buffers(hlo: str, offloaded: list[Tagged]) -> dict[tuple[str, str], Proof]:
     """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose
     stack over its layers, [count, *shape], the compiled program keeps in host memory, and the
-    proof that the program reads that buffer back from where it wrote it (offload.addressing).
+    proof that the program reads that buffer back from where it wrote it (analysis/addressing.py).
 
     A host buffer that no offloaded value accounts for is an error: the program moves
     something no table asked for."""

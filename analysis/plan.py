@@ -76,7 +76,7 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
 
 def addressing_problems(lines: list[memory.TagLine]) -> list[str]:
     """One line per offloaded tag whose host buffer the compiled program does not provably
-    read back from where it wrote it (offload/addressing.py)."""
+    read back from where it wrote it (analysis/addressing.py)."""
     return [f"{line.value.scan} {line.value.tag}: addressing {line.addressing.verdict}: "
             f"{line.addressing.detail}" for line in lines
             if line.addressing is not None and not line.addressing.holds]
@@ -149,9 +149,9 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> lis
                    "the peak: masters stay FP32, each layer is quantized as it runs")
     if plan.host_activations > host_pool_gib * GiB:
         need = math.ceil(plan.host_activations / GiB * 1.1)
-        out.append(f"WARNING: {_size(plan.host_activations)} of host activations exceed XLA's "
-                   f"pinned-host pool ({host_pool_gib:g} GiB): set {HOST_POOL_VARIABLE}={need} "
-                   "(per process) or offload less")
+        out.append(f"WARNING: {_size(plan.host_activations)} of host activations per GPU exceed "
+                   f"XLA's pinned-host pool ({host_pool_gib:g} GiB a process): set "
+                   f"{HOST_POOL_VARIABLE}={need} x the process's GPUs, or offload less")
     return out
 
 

@@ -7,7 +7,7 @@
 Every figure comes from the traced full-scale step (abstract values over an abstract mesh,
 as `--plan`): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
 tag's recompute saving; hardware figures from configs/gpus.py; the one efficiency figure from
-the study's row `configs.CALIBRATION`. `offload/search.py` holds the model and the search.
+the study's row `configs.CALIBRATION`. `analysis/search.py` holds the model and the search.
 """
 
 import dataclasses

@@ -76,8 +76,13 @@ def offloaded_tags(fn, *args) -> dict[str, list[Tagged]]:
     A checkpoint policy that offloads a name puts a `device_put` to host right after the
     name's equation; differentiate `fn` (e.g. a train step) to see them.
     """
+    return offloaded_in(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def offloaded_in(jaxpr) -> dict[str, list[Tagged]]:
+    """`offloaded_tags` of a jaxpr already traced."""
     found: dict[str, list[Tagged]] = {}
-    for eqn, count, scan, producers in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
+    for eqn, count, scan, producers in _walk(jaxpr):
         if eqn.primitive.name != "device_put":
             continue
         if not any("host" in str(d).lower() for d in eqn.params["devices"]):

@@ -7,7 +7,7 @@
 1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
    #46231): for each row's policy, XLA flags and NVFP4 weights, loss and gradients at f32 /
    highest matmul precision against no checkpointing, over several scanned layers, beside
-   the addressing proof of the same compiled program (offload/addressing.py: the two must
+   the addressing proof of the same compiled program (analysis/addressing.py: the two must
    agree); NVFP4 logits on this backend against the CPU's (and the FP4 path on Blackwell).
 2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
    proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:

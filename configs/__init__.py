@@ -72,7 +72,7 @@ class RunConfig:
     scale: str = "auto"
     init_from: str = ""  # a Hugging Face checkpoint directory of the experiment's family
     out_dir: str = "runs"
-    # Checkpoints (checkpoints.py): every N steps and at the end (0: only when stopped by
+    # Checkpoints (runtime/checkpoints.py): every N steps and at the end (0: only when stopped by
     # SIGTERM or Ctrl-C), into checkpoint_dir (empty: <run folder>/checkpoints), the newest
     # `keep` kept. resume=latest | a run folder | a checkpoint directory | one step folder.
     checkpoint_every: int = 500
@@ -179,6 +179,8 @@ def _set(obj, path: list[str], text: str, full_key: str):
             raise ConfigError(f"{full_key}: write {name}.<key>=<value>")
         return dataclasses.replace(obj, **{name: {**value, path[1]: text}})
     if dataclasses.is_dataclass(value):
+        if len(path) == 1 and text.lower() == "none" and type(None) in typing.get_args(kind):
+            return dataclasses.replace(obj, **{name: None})  # an optional group turned off
         if len(path) == 1:
             raise ConfigError(f"{full_key} is a group; set one of its fields, e.g. "
                               f"{full_key}.{dataclasses.fields(value)[0].name}=...")

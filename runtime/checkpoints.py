@@ -11,6 +11,7 @@ step that could be picked.
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -26,6 +27,16 @@ from configs import ConfigError
 from hf.config import from_hf, to_hf
 from hf.save import DTYPES, write_checkpoint
 from model import common, families
+
+# Each process writes whole shards, one replica each. Orbax's replica-parallel saving (every
+# replica writing a slice of a replicated shard) slices each shard eagerly, one XLA program per
+# slice shape: seconds per save on CPUs. Orbax turns it off on GPUs itself.
+_absl = logging.getLogger("absl")
+_level = _absl.level
+_absl.setLevel(logging.ERROR)  # Orbax warns of the override, in every process
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+_absl.setLevel(_level)
 
 # Settings that change the trained numbers: a resume must match them. The rest (placement,
 # mesh and device count, kernels, XLA flags, output, profiling) may change between runs.

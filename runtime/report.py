@@ -80,9 +80,10 @@ def flags_line(run, target) -> str:
     flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
     if target.platform != "gpu":
         return f"{flags} [NOT applied: {target.platform} backend, GPU only]"
-    extra = compiler_options(run, target).keys() - run.xla_flags.keys()
-    deviceless = (f"; compile-only devices also set {', '.join(sorted(extra))}=false (XLA's "
-                  "CUB sort rewriter wants a device)" if extra else "")
+    options = compiler_options(run, target)
+    extra = [f"{k}={options[k]}" for k in sorted(options.keys() - run.xla_flags.keys())]
+    deviceless = (f"; compile-only devices also set {' '.join(extra)} (trainer/target.py: "
+                  "DEVICELESS)" if extra else "")
     return (f"{flags} [applied{deviceless}]; XLA_FLAGS (every compile): "
             f"{os.environ.get('XLA_FLAGS', '')}")
 

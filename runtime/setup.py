@@ -50,9 +50,9 @@ def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str
     enough = devices[0].platform != "cpu" and (
         len(devices) == need if need else len(devices) % mesh.data == 0)
     if requested == "full" and not enough:
-        raise ConfigError(f"{experiment.name} at full scale needs {need or 'a multiple of'} "
-                          f"{mesh.data if need is None else ''} accelerators (mesh data="
-                          f"{mesh.data} x fsdp={mesh.fsdp}); this machine has {have}")
+        count = need or f"a multiple of {mesh.data}"
+        raise ConfigError(f"{experiment.name} at full scale needs {count} accelerators (mesh "
+                          f"data={mesh.data} x fsdp={mesh.fsdp}); this machine has {have}")
     if requested == "proxy" or not enough:
         why = "asked for" if requested == "proxy" else f"full scale needs {need} accelerators"
         return "proxy", f"{why}; this machine has {have}"

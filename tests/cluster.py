@@ -22,7 +22,8 @@ def launch(script: list[str], n: int, folder: Path, **env) -> list[subprocess.Po
     """Processes 0..n-1 of `script` (python arguments); their output goes to files in
     `folder` (pipes could fill while the test computes); `env` overrides the launch's."""
     base = {k: v for k, v in os.environ.items() if not LAUNCHERS.match(k)}
-    base.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    base.update({"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                              "--xla_force_host_platform_device_count=4",
                  "JAX_NUM_PROCESSES": str(n), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
                  **env})
     return [subprocess.Popen([sys.executable, *script], env={**base, "JAX_PROCESS_ID": str(i)},

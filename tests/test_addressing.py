@@ -1,5 +1,5 @@
 """The compiled GPU program reads each offloaded activation back from the bytes the forward
-pass wrote it to (offload/addressing.py): proved for the pinned jax on a small scanned stack
+pass wrote it to (analysis/addressing.py): proved for the pinned jax on a small scanned stack
 compiled for a GPU, refuted on the optimized HLO jax 0.10.2 compiled for the same program
 (committed), and each half of the proof (the index the loop passes, XLA's descriptor) shown
 able to fail on hand-written programs whose addresses are computed by hand."""

@@ -1,6 +1,6 @@
 """The GPU program, compiled on this CPU machine for the study's GPUs (compile-only devices made
 from XLA's target specs): every experiment row through the builder a GPU run uses, and what
-XLA really does with the offloads, against the study's tables."""
+XLA really does with the offloads, against the study's tables (tests/test_study.py)."""
 
 import functools
 import os
@@ -12,17 +12,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from runtime import backend
 import configs
-from analysis import plan
-from runtime import report
 import train
+from analysis import hlo, memory, trace
 from configs.gpus import GPUS
 from model import common
 from model.config import DeepSeekConfig
-from analysis import memory, trace
+from runtime import report
 from runtime import setup as runtime_setup
-from trainer import target as trainer_target
+from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
+from test_invariances import NEVER_NEEDED
+from trainer import build, target as trainer_target
 
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,18 +30,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # offloaded value in host memory only in a loop that runs more than once (see below).
 FEWER_LAYERS = {"llama": ["model.n_layers=2"],
                 "deepseek": ["model.n_layers=4", "model.n_dense_layers=2"]}
-# What each study row offloads, from experiments.md (not from the presets): Q/K/V in the Llama
-# offload rows; in DeepSeek's the MLA query and key/value intermediates and the routed
-# experts' up-projections in the MoE layers, the MLP up-projections in the dense layers (the
-# down-projection the study names is never read by the backward pass: nothing to place).
-LLAMA_QKV = {("layers", t) for t in ("query_proj", "key_proj", "value_proj")}
-DEEPSEEK = ({("dense_layers", t) for t in ("mlpwi_0", "mlpwi_1")}
-            | {("moe_layers", t) for t in ("query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
-                                           "moe_mlpwi_0", "moe_mlpwi_1")})
-# The study's GPU memory per device for its best DeepSeek row (experiments.md): that row
-# compiles at full depth, and must fit in it. (All rows at full depth:
-# benchmarks/compile_table.py, about two minutes here.)
-STUDY_MEMORY_GIB = {"deepseek671b-offload": 165.2}
+
+
+def in_host(offloaded: dict) -> set:
+    """The study's tensors of a row that a compiled program can keep in host memory: those
+    the backward pass reads."""
+    return {(s, t) for s, tags in offloaded.items() for t in tags if t not in NEVER_NEEDED}
+
+
+LLAMA_QKV, DEEPSEEK = in_host(LLAMA_OFFLOADED), in_host(DEEPSEEK_OFFLOADED)
 IN_HOST_MEMORY = {
     "llama405b-baseline": set(), "llama405b-offload": LLAMA_QKV,
     "llama405b-offload-nolhs": LLAMA_QKV, "llama405b-offload-pipelined": LLAMA_QKV,
@@ -53,6 +50,9 @@ IN_HOST_MEMORY = {
     "llama405b-searched": {("layers", t) for t in ("key_proj", "value_proj", "mlpwi_0",
                                                    "mlpwi_1")},
 }
+# The study's best DeepSeek row compiles at full depth and must fit in the study's memory.
+# (All rows at full depth: benchmarks/compile_table.py, a few minutes here.)
+FULL_DEPTH = {"deepseek671b-offload"}
 
 
 @functools.cache
@@ -97,7 +97,7 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
     plan lands within 5% of the compiled figure."""
     experiment = configs.get(name)
     family = "deepseek" if isinstance(experiment.model, DeepSeekConfig) else "llama"
-    built = built_as_a_gpu_run(name, [] if name in STUDY_MEMORY_GIB else FEWER_LAYERS[family])
+    built = built_as_a_gpu_run(name, [] if name in FULL_DEPTH else FEWER_LAYERS[family])
     hlo = built.compiled.as_text()
     assert {(line.value.scan, line.value.tag) for line in built.run_tags
             if line.in_host_memory} == IN_HOST_MEMORY[name]
@@ -108,7 +108,7 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
                   if line.offloaded)
     compiled = memory.CompiledMemory.of(built.compiled)
     assert compiled.host == planned
-    if name in STUDY_MEMORY_GIB:
+    if name in FULL_DEPTH:
         assert compiled.device <= STUDY_MEMORY_GIB[name] * GiB
         assert abs(built.full_plan.peak_estimate / compiled.device - 1) <= 0.05
     attention = custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
@@ -144,6 +144,26 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
     assert re.search(r"the step needs [\d.]+ GiB of JAX's 133.9 GiB pool per GPU "
                      r"\(XLA_CLIENT_MEM_FRACTION=0.95\) and 0.0 GiB of pinned host memory", out)
     assert out.count("NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it") == 3
+    assert "compile-only devices also set xla_gpu_autotune_level=0" in out
+
+    # trainer/target.py's DEVICELESS (XLA's autotuning off where no device times kernels):
+    # the same instructions in the same order, memory and host buffers as XLA's default
+    # compile of the same step; only kernel configs differ.
+    rules, optimizer = runtime_setup.layout(setup, built.target)
+    lowered = build.make_step(setup.model, setup.run, setup.tables, rules, optimizer,
+                              built.target).lower(
+        build.abstract_state(setup.model, setup.run, rules, optimizer),
+        build.abstract_batch(setup.run, rules, len(built.target.devices)))
+    options = trainer_target.compiler_options(setup.run, built.target)
+    default = lowered.compile({**options, "xla_gpu_autotune_level": 4})  # XLA's own default
+
+    def instructions(compiled):
+        module = hlo.parse_module(compiled.as_text())
+        return {c.name: [(i.name, i.opcode, i.shape, i.operands) for i in c.instructions]
+                for c in module.computations.values()}
+
+    assert instructions(built.compiled) == instructions(default)
+    assert memory.CompiledMemory.of(built.compiled) == memory.CompiledMemory.of(default)
 
 
 def test_sorted_experts_compile_for_a_gpu():
@@ -173,20 +193,6 @@ def test_cudnn_takes_mla_attention_unpadded():
     assert "pad" not in {eqn.primitive.name for eqn, *_ in trace._walk(jaxpr.jaxpr)}
 
 
-def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
-    """The DeepSeek offload row fits the 95% of a GB200 the trainer gives XLA's pool, and not
-    the 75% JAX takes by default."""
-    gpu = GPUS["gb200"]
-    assert gpu.memory == 197_897_748_480  # the spec's device_memory_size: 184.3 GiB
-    experiment = configs.get("deepseek671b-offload")
-    tables = runtime_setup.placement_tables(experiment.model, experiment.run)
-    assert backend.pool_bytes(gpu) == int(0.95 * gpu.memory)
-    assert plan.full_scale(experiment, tables).fits
-    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.75")
-    assert backend.pool_bytes(gpu) == int(0.75 * gpu.memory)
-    assert not plan.full_scale(experiment, tables).fits
-
-
 def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
     code = ("from runtime import backend; import os; from trainer import target; "
             "target.this_machine(); "
@@ -206,9 +212,9 @@ def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
 
 
 def test_compile_command_prints_compiled_memory_beside_the_plan(capsys):
-    assert train.main(["llama405b-offload", "--compile", "model.n_layers=2"]) == 0
+    assert train.main(["llama8b-offload", "--compile", "model.n_layers=2"]) == 0
     out = capsys.readouterr().out
-    assert "for 128 x NVIDIA GB200, compile-only" in out and "topology 1x32x4" in out
+    assert "for 8 x NVIDIA GB200, compile-only" in out and "topology 1x2x4" in out
     assert out.count("pinned host, stacked in memory space S(5): read back layer 1 first: "
                      "checked") == 3
     assert re.search(r"device total\s+[\d.]+ GiB\s+[\d.]+ GiB", out)

@@ -8,28 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-
 from configs import OptimizerConfig, RunConfig
+from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA
 from model import common, deepseek, experts, llama
-from model.config import DeepSeekConfig, LlamaConfig, YarnScaling
 from offload import policies
-from trainer import build as trainer_build
-from trainer import step as trainer_step
-from trainer import target as trainer_target
-
-# Every sharded dimension (embed 64) and the batch (8) divide over 8 devices.
-CFG = LlamaConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                  d_ff=96, rope_theta=1000.0)
+from trainer.build import axis_rules, make_loss
+from trainer.step import loss_fn, make_optimizer, train_step
+from trainer.target import Target
 
 
 def step(params, batch, rules, loss_chunks=1):
-    optimizer = trainer_step.make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
+    optimizer = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = policies.checkpoint_policy(policies.PRESETS["qkv_offload"])
-    loss = partial(trainer_step.loss_fn, model=CFG, policies={"layers": policy}, rules=rules,
+    loss = partial(loss_fn, model=SHARDED_LLAMA, policies={"layers": policy}, rules=rules,
                    dtype=jnp.float32, loss_chunks=loss_chunks)
     grads = jax.grad(loss, has_aux=True)(params, batch)
-    _, metrics = trainer_step.train_step(state, batch, loss=loss, optimizer=optimizer)
+    _, metrics = train_step(state, batch, loss=loss, optimizer=optimizer)
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
     # near zero turns a rounding-level difference into one of order lr.
     return grads, metrics
@@ -39,12 +34,12 @@ def step(params, batch, rules, loss_chunks=1):
 def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
     """Also: the loss in 4 chunks of the sequence (logits recomputed per chunk in the
     backward pass) equals the loss of all logits at once, gradients included."""
-    specs = llama.param_specs(CFG)
+    specs = llama.param_specs(SHARDED_LLAMA)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     eight = common.make_mesh((1, 8), ("data", "fsdp"))
     rules = common.AxisRules(mesh=eight)
     params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
-    batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, CFG.vocab))
+    batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, SHARDED_LLAMA.vocab))
 
     reference = jax.jit(partial(step, rules=None))(params, batch)
     sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
@@ -56,11 +51,6 @@ def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
                  sharded, reference)
 
 
-DEEPSEEK = DeepSeekConfig(vocab=64, d_model=64, n_layers=3, n_dense_layers=1, n_heads=2,
-                          q_lora_rank=16, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
-                          v_head_dim=8, d_ff=48, moe_d_ff=16, n_experts=16, experts_per_token=3,
-                          n_shared_experts=1, n_groups=4, topk_groups=2, routed_scaling=2.5,
-                          rope_scaling=YarnScaling(factor=4.0, original_max_position=64))
 
 
 # Under expert parallelism each device runs its experts as one GEMM over their blocks, whatever
@@ -73,22 +63,22 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel,
     each exchanging within its own fsdp group), under the DeepSeek offload policy (what it does
     not save, exchanges included, is recomputed): the loss, the expert loads and the gradients
     equal those of one device without checkpointing; nothing is dropped."""
-    specs = deepseek.param_specs(DEEPSEEK)
+    specs = deepseek.param_specs(SHARDED_DEEPSEEK)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     eight = common.make_mesh(mesh_shape, ("data", "fsdp"))
     params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
-    batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, DEEPSEEK.vocab))
+    batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, SHARDED_DEEPSEEK.vocab))
     run = RunConfig(compute_dtype="float32", expert_path=expert_path,
                     expert_parallel=expert_parallel)
 
     def loss_and_grads(params, batch, rules, run, tables):
-        loss = trainer_build.make_loss(DEEPSEEK, run, tables, rules, trainer_target.Target("cpu"))
+        loss = make_loss(SHARDED_DEEPSEEK, run, tables, rules, Target("cpu"))
         return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
     reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
                                 run=dataclasses.replace(run, expert_parallel=False)))(
         params, batch)
-    rules = trainer_build.axis_rules(run, eight)
+    rules = axis_rules(run, eight)
     tables = policies.placement_tables("dsv3_offload", {}, deepseek.SCANS)
     sharded = jax.jit(partial(loss_and_grads, rules=rules, run=run, tables=tables))(
         jax.device_put(params, common.param_shardings(specs, rules)),
@@ -102,7 +92,7 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     """Expert parallelism with small blocks, against float64 numpy: per device, (token,
     expert) pairs in token order (then choice) fill their expert's block of C rows; the rest
     are dropped and add nothing; every kept pair is computed exactly."""
-    cfg, devices, capacity = DEEPSEEK, 8, 0.5
+    cfg, devices, capacity = SHARDED_DEEPSEEK, 8, 0.5
     rng = np.random.default_rng(3)
     x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
     layer = jax.tree.map(lambda s: rng.normal(scale=0.2, size=s.shape[1:]).astype(np.float32),

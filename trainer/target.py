@@ -133,15 +133,19 @@ def quantization(run: RunConfig, target: Target) -> quant.Quantization | None:
                               two_d)
 
 
+# Compile-only devices: XLA's CUB radix-sort rewriter asks the CUDA runtime for a device, and
+# with no device to time kernels on, XLA's autotuning only compiles candidate kernel configs
+# until one compiles (half of a compile's time). Off, the optimized program's instructions,
+# schedule and buffers are the same (tests/test_gpu_compile.py); a real GPU keeps both.
+DEVICELESS = {"xla_gpu_enable_cub_radix_sort": False, "xla_gpu_autotune_level": 0}
+
+
 def compiler_options(run: RunConfig, target: Target) -> dict:
     """The run's XLA flags as per-compile options, typed; a GPU target only, so they can never
-    break a CPU compile. Compile-only devices also turn off XLA's CUB radix sort, whose
-    rewriter asks the CUDA runtime for a device (a real GPU keeps it)."""
+    break a CPU compile; on compile-only devices, DEVICELESS too."""
     if target.platform != "gpu":
         return {}
     def typed(v: str):
         return {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
     options = {k: typed(v) for k, v in run.xla_flags.items()}
-    if target.gpu is not None:
-        options["xla_gpu_enable_cub_radix_sort"] = False
-    return options
+    return {**options, **DEVICELESS} if target.gpu is not None else options

@@ -16,7 +16,7 @@ Only regenerating the fixtures needs torch and transformers:
 
     python -m venv /tmp/fixvenv
     /tmp/fixvenv/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
-    /tmp/fixvenv/bin/python tests/make_deepseek_fixtures.py
+    /tmp/fixvenv/bin/python tests/tools/make_deepseek_fixtures.py
 
 The output is deterministic (fixed seeds, CPU, float32, eager attention,
 eager experts).
@@ -35,7 +35,7 @@ from safetensors import safe_open
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+FIXTURES_DIR = Path(__file__).resolve().parents[1] / "fixtures"
 
 BATCH, SEQ_LEN = 2, 40
 

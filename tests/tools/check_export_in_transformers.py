@@ -1,4 +1,4 @@
-"""Export every Hugging Face fixture through model/hf_export.py and load the result in
+"""Export every Hugging Face fixture through hf/save.py and load the result in
 transformers: its logits must equal the fixture's expected ones (the original model's).
 
 Needs torch and transformers (like the fixture scripts; never run by `make test`):
@@ -6,7 +6,7 @@ Needs torch and transformers (like the fixture scripts; never run by `make test`
     python3 -m venv /tmp/fixvenv
     /tmp/fixvenv/bin/pip install torch==2.13.0 transformers==5.24.0 jax==0.10.2 einops==0.8.2 \\
         safetensors==0.8.0 orbax-checkpoint==0.12.4
-    JAX_PLATFORMS=cpu /tmp/fixvenv/bin/python tests/check_export_in_transformers.py
+    JAX_PLATFORMS=cpu /tmp/fixvenv/bin/python tests/tools/check_export_in_transformers.py
 """
 
 import sys
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hf.load import load_checkpoint  # noqa: E402
@@ -38,7 +38,7 @@ def check(fixture: Path) -> float:
 
 def main() -> int:
     failed = 0
-    for fixture in sorted(p for p in (ROOT / "tests/fixtures").iterdir() if p.is_dir()):
+    for fixture in sorted(p.parent for p in (ROOT / "tests/fixtures").glob("*/config.json")):
         diff = check(fixture)
         scale = float(np.abs(np.load(fixture / "expected.npz")["logits"]).max())
         ok = diff <= 1e-5 * max(scale, 1.0)  # float32 reruns of the same weights

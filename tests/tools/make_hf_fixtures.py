@@ -10,7 +10,7 @@ Only regenerating the fixtures needs torch and transformers:
 
     python -m venv /tmp/fixvenv
     /tmp/fixvenv/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
-    /tmp/fixvenv/bin/python tests/make_hf_fixtures.py
+    /tmp/fixvenv/bin/python tests/tools/make_hf_fixtures.py
 
 The output is deterministic (fixed seeds, CPU, float32, eager attention).
 """
@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+FIXTURES_DIR = Path(__file__).resolve().parents[1] / "fixtures"
 
 BATCH, SEQ_LEN = 2, 40
 

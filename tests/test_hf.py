@@ -1,5 +1,6 @@
-"""Checkpoints read a slice at a time: any sharding of the parameters reads exactly the whole
-import; FP8 slices across 128x128 scale blocks; transformers' fused expert layout."""
+"""Hugging Face checkpoints: imported a slice at a time (any sharding reads exactly the whole
+import; FP8 blocks dequantized across 128x128 scale blocks; transformers' fused expert layout)
+and exported so that the import reads every fixture back bit for bit."""
 
 import json
 import shutil
@@ -10,13 +11,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from conftest import FIXTURES
+from hf.load import load_checkpoint, open_checkpoint
+from hf.safetensors import Reader, dequantize_fp8
+from hf.save import write_checkpoint
+from model import common, families
 
-from model import common
-from hf.safetensors import Reader
-from hf.load import open_checkpoint
-from model import families
-
-FIXTURES = "tests/fixtures"
+HF_FIXTURES = sorted(p.parent for p in FIXTURES.glob("*/config.json"))
 
 
 def whole_and_sharded(directory, rules_of_mesh):
@@ -44,7 +45,7 @@ RULES = {
 @pytest.mark.parametrize("rules", RULES.values(), ids=RULES.keys())
 @pytest.mark.parametrize("fixture", ["llama_sharded", "deepseek_yarn"])
 def test_any_sharding_reads_exactly_the_whole_import(fixture, rules):
-    whole, sharded = whole_and_sharded(f"{FIXTURES}/{fixture}", rules)
+    whole, sharded = whole_and_sharded(FIXTURES / fixture, rules)
     jax.tree.map(np.testing.assert_array_equal, sharded, whole)
 
 
@@ -66,10 +67,33 @@ def test_fp8_slices_across_scale_blocks(tmp_path):
         assert reader.bytes_read - before == size + 4 * len(blocks[0]) * len(blocks[1])
 
 
+def test_fp8_block_dequantization_follows_128_blocks():
+    rng = np.random.default_rng(2)
+    weight = rng.normal(size=(300, 200)).astype(ml_dtypes.float8_e4m3fn)
+    scale_inv = rng.uniform(0.5, 2, size=(3, 2)).astype(np.float32)
+    got = dequantize_fp8(weight, scale_inv)
+    for i, j in [(0, 0), (127, 127), (128, 0), (299, 199), (200, 130)]:
+        assert got[i, j] == np.float32(weight[i, j]) * scale_inv[i // 128, j // 128]
+
+
+def test_an_fp8_checkpoint_loads_dequantized(tmp_path):
+    source = FIXTURES / "deepseek_yarn"
+    shutil.copy(f"{source}/config.json", tmp_path / "config.json")
+    tensors = load_file(f"{source}/model.safetensors")
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    fp8 = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+    tensors[name] = fp8
+    tensors[name + "_scale_inv"] = np.array([[0.5]], np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg, params = load_checkpoint(tmp_path)
+    q_b = params["moe_layers"]["wq_b"][0].reshape(cfg.q_lora_rank, -1)
+    np.testing.assert_array_equal(q_b, fp8.astype(np.float32).T * 0.5)
+
+
 def test_fused_experts_read_as_the_unfused_ones(tmp_path):
     """transformers' in-memory layout, experts.gate_up_proj [E, 2F, D] and down_proj
     [E, D, F], saved from the unfused fixture, reads (whole and sharded) as the fixture."""
-    source = f"{FIXTURES}/deepseek_halfrot"
+    source = FIXTURES / "deepseek_halfrot"
     config = json.loads(open(f"{source}/config.json").read())
     tensors = {}
     for name in json.loads(open(f"{source}/model.safetensors.index.json").read())[
@@ -92,3 +116,13 @@ def test_fused_experts_read_as_the_unfused_ones(tmp_path):
         whole, sharded = whole_and_sharded(tmp_path, rules)
         jax.tree.map(np.testing.assert_array_equal, whole, unfused)
         jax.tree.map(np.testing.assert_array_equal, sharded, unfused)
+
+
+@pytest.mark.parametrize("fixture", HF_FIXTURES, ids=[p.name for p in HF_FIXTURES])
+def test_export_round_trips_the_hf_fixtures(fixture, tmp_path):
+    model, params = load_checkpoint(fixture)
+    files = write_checkpoint(tmp_path, model, params, shard_bytes=200_000)
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    again, read = load_checkpoint(tmp_path)
+    assert again == model
+    jax.tree.map(np.testing.assert_array_equal, read, params)

@@ -1,0 +1,171 @@
+"""The command line: bad input is one line and exit status 2 before anything is compiled or
+written, whatever the word or flag; the list, the exit statuses, the comparisons' mechanics."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import configs
+import train
+from conftest import SMALL, run_cli
+
+
+def _corrupt_checkpoint(tmp_path: Path) -> str:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    config = Path("tests/fixtures/llama_gqa/config.json").read_text()
+    (directory / "config.json").write_text(config)
+    (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    return str(directory)
+
+
+BAD_INPUT = {
+    "unknown experiment": ["llama9b"],
+    "unknown key": ["llama405b-offload", "stepz=3"],
+    "unknown nested key": ["llama405b-offload", "optimizer.beta=3"],
+    "wrong type": ["llama405b-offload", "steps=ten"],
+    "not key=value": ["llama405b-offload", "steps"],
+    "heads not divisible": ["llama405b-offload", "model.n_kv_heads=3"],
+    "sequence past RoPE table": ["llama405b-offload", "seq=200000"],
+    "batch not divisible": ["llama405b-offload", "global_batch=12"],
+    "mesh does not cover devices": ["llama405b-offload", "mesh.fsdp=3"],
+    "unknown tag": ["llama405b-offload", "policy.qkv_proj=offload"],
+    "bad placement": ["llama405b-offload", "policy.query_proj=disk"],
+    "unknown preset": ["llama405b-offload", "policy=everything"],
+    "full scale on a CPU": ["llama405b-offload", "scale=full"],
+    "bad dtype": ["llama405b-offload", "compute_dtype=int8"],
+    "missing token file": ["llama405b-offload", "data.path=/nonexistent/tokens.bin"],
+    "missing checkpoint": ["llama405b-offload", "init_from=/nonexistent/ckpt"],
+    "no data axis": ["llama405b-offload", "mesh.data=0"],
+    "negative batch": ["llama405b-offload", "global_batch=-8"],
+    "not a finite number": ["llama405b-offload", "optimizer.lr=nan"],
+    "bad optimizer range": ["llama405b-offload", "optimizer.b1=1.5"],
+    "bad rope scaling": ["llama405b-offload", "model.rope_scaling.low_freq_factor=0"],
+    "cudnn on a CPU": ["llama405b-offload", "attention=cudnn"],
+    "no dense layer": ["deepseek671b-offload", "model.n_dense_layers=0"],
+    "v wider than q/k": ["deepseek671b-offload", "model.v_head_dim=64"],
+    "bad yarn": ["deepseek671b-offload", "model.rope_scaling.beta_slow=0"],
+    "policy for a missing scan": ["llama405b-offload", "policy.moe_layers.mla_q=offload"],
+    "wrong family's checkpoint": ["deepseek671b-offload", "init_from=tests/fixtures/llama_gqa"],
+    "width NVFP4 cannot block": ["llama405b-offload", "model.d_ff=1000"],
+    "unknown NVFP4 tiles": ["llama405b-offload", "quant_tiles=8x8"],
+    "unknown quantization": ["llama405b-offload", "quant=int4"],
+    "experts not divisible": ["deepseek671b-offload", "expert_parallel=true", "mesh.fsdp=8",
+                              "model.n_experts=12", "model.n_groups=4"],
+    "negative expert capacity": ["deepseek671b-offload", "expert_capacity=-1"],
+    "negative seed": ["llama405b-offload", "seed=-1"],
+    "seed past numpy's range": ["llama405b-offload", f"seed={2**64}"],
+    "negative checkpoint interval": ["llama405b-offload", "checkpoint_every=-1"],
+    # Words and flags the command line does not use:
+    "a stray word": ["llama405b-offload", "offload"],
+    "an unknown flag": ["llama405b-offload", "--plann"],
+    "two modes": ["llama405b-offload", "--plan", "--compile"],
+    "an unknown first flag": ["--verbose"],
+    "--list with more": ["--list", "llama405b-offload"],
+    "export with an unknown key": ["export", "runs/x", "hf_dir=y", "format=gguf"],
+}
+
+
+@pytest.mark.parametrize("args", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_is_one_line_and_status_2(args, tmp_path, capsys):
+    code, out, err = run_cli(args, tmp_path, capsys)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # stopped before any run folder was made
+
+
+def test_bad_files_are_one_line_and_status_2(tmp_path, capsys):
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")  # 1.5 uint16 tokens
+    too_big = tmp_path / "big.bin"
+    np.array([1, 2, 60000], np.uint16).tofile(too_big)
+    short = tmp_path / "short.bin"
+    np.arange(10, dtype=np.uint16).tofile(short)
+    late = tmp_path / "late.bin"
+    np.concatenate([np.zeros(3_000_000, np.uint16), [600]]).astype(np.uint16).tofile(late)
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    for args in (["data.path=" + str(odd)], ["data.path=" + str(too_big)],
+                 ["data.path=" + str(short)], ["data.path=" + str(late)],
+                 ["init_from=" + _corrupt_checkpoint(tmp_path)], ["init_from=" + str(listed)]):
+        code, _, err = run_cli(["llama405b-offload", *SMALL, *args], tmp_path / "out", capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_exit_status_from_a_real_process(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "llama405b-offload", "model.n_kv_heads=3",
+                             f"out_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: model.n_heads=16 is not divisible by model.n_kv_heads=3"]
+
+
+def test_list_names_every_experiment(capsys):
+    assert train.main(["--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == [*configs.EXPERIMENTS, *configs.COMPARISONS]
+
+
+def test_compare_runs_each_row_into_one_table(tmp_path, capsys, monkeypatch):
+    """The comparison's mechanics: each row resolved with the same overrides and run, then one
+    table (each run itself is tested end to end in tests/test_checkpoints.py)."""
+    ran = []
+
+    def fake_train(setup, target):
+        ran.append((setup.experiment.name, setup.run.steps))
+        return {"median_step_s": 0.5, "tflops_per_device": 1.0, "peak_device_bytes": None,
+                "host_offload_bytes_planned": 2**30}
+
+    monkeypatch.setattr(train, "train", fake_train)
+    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2"], tmp_path, capsys)
+    assert code == 0, err
+    assert ran == [(name, 2) for name in configs.COMPARISONS["llama405b-compare"]]
+    (folder,) = tmp_path.glob("llama405b-compare-*")
+    rows = (folder / "compare.csv").read_text().splitlines()
+    assert [r.split(",") for r in rows[1:]] == [
+        ["llama405b-baseline", "remat", "true", "false", "500.0", "1.000", "n/a", "1.00"],
+        ["llama405b-offload", "qkv_offload", "true", "false", "500.0", "1.000", "n/a", "1.00"],
+        ["llama405b-offload-nolhs", "qkv_offload", "false", "false", "500.0", "1.000", "n/a",
+         "1.00"],
+        ["llama405b-offload-pipelined", "qkv_offload", "true", "true", "500.0", "1.000", "n/a",
+         "1.00"]]
+    assert (folder / "compare.md").read_text() in out
+
+
+def test_a_comparison_plans_and_compiles_each_of_its_rows(monkeypatch):
+    shown = []
+    for flag in ("plan", "compile"):
+        monkeypatch.setitem(train.MODES, f"--{flag}", lambda name, args: shown.append(name))
+        assert train.main(["llama405b-compare", f"--{flag}", "steps=2"]) == 0
+    assert shown == list(configs.COMPARISONS["llama405b-compare"]) * 2
+
+
+def test_plan_command_rejects_bad_input(capsys):
+    assert train.main(["llama405b-offload", "--plan", "policy.nothing=offload"]) == 2
+    assert capsys.readouterr().err.startswith("error: policy.nothing")
+    assert train.main(["llama405b-offload", "--plan", "model.d_ff=1000"]) == 2
+    assert capsys.readouterr().err.startswith("error: quant=nvfp4: NVFP4 needs axis")
+
+
+def test_bad_search_option_is_one_line_and_status_2(capsys):
+    assert train.main(["llama405b-offload", "--search", "search.top=many"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "search.top" in err[0]
+    assert train.main(["llama405b-offload", "--search", "search.nope=1"]) == 2
+
+
+def test_overrides_are_typed_by_their_field():
+    """Numbers, booleans, nested groups, maps, and an optional group turned off."""
+    experiment = configs.get("llama405b-offload")
+    model, run = configs.apply_overrides(experiment.model, experiment.run, {
+        "steps": "7", "profile": "true", "optimizer.lr": "0.5", "mesh.fsdp": "4",
+        "xla_flags.xla_gpu_enable_latency_hiding_scheduler": "false",
+        "policy.layers.mlpwo": "offload", "model.rope_scaling": "none"})
+    assert (run.steps, run.profile, run.optimizer.lr, run.mesh.fsdp) == (7, True, 0.5, 4)
+    assert run.xla_flags["xla_gpu_enable_latency_hiding_scheduler"] == "false"
+    assert run.placements == {"layers.mlpwo": "offload"} and model.rope_scaling is None

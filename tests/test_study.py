@@ -1,0 +1,133 @@
+"""The study's facts (docs/study.md), pinned here and only here: what each row offloads, the
+memory figures the model code must give, which DeepSeek rows fit; every registered experiment
+sound at both scales. tests/test_gpu_compile.py checks the compiled programs against these."""
+
+import math
+
+import pytest
+
+import configs
+import train
+from analysis import memory, plan
+from analysis.traced import TracedStep
+from configs.gpus import GPUS
+from conftest import TINY_DEEPSEEK
+from model import deepseek, families, llama
+from offload import policies
+from runtime import backend
+from runtime.setup import placement_tables
+
+MiB, GiB = 2**20, 2**30
+# What each row offloads, from the study's text (not from the presets): Q, K and V in the
+# Llama offload rows; in DeepSeek's the MLA query and key/value intermediates and the routed
+# experts' up-projections in the MoE layers, the MLP up and down projections in the dense ones.
+LLAMA_OFFLOADED = {"layers": {"query_proj", "key_proj", "value_proj"}}
+DEEPSEEK_OFFLOADED = {"dense_layers": {"mlpwi_0", "mlpwi_1", "mlpwo"},
+                      "moe_layers": {"query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
+                                     "moe_mlpwi_0", "moe_mlpwi_1"}}
+# The study's GPU memory per device where it gives one (DeepSeek-V3, 128 GB200s).
+STUDY_MEMORY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
+
+
+def full_plan(name: str) -> memory.MemoryPlan:
+    experiment = configs.get(name)
+    return plan.full_scale(experiment, placement_tables(experiment.model, experiment.run))
+
+
+def test_the_llama_rows_offload_q_k_and_v():
+    tables = policies.placement_tables("qkv_offload", {}, llama.SCANS)
+    assert tables == {s: {t: "offload" for t in tags} for s, tags in LLAMA_OFFLOADED.items()}
+    assert {configs.get(n).run.policy for n in configs.COMPARISONS["llama405b-compare"]} == {
+        "remat", "qkv_offload"}
+
+
+def test_the_deepseek_rows_place_the_studys_tensors():
+    """Offloaded in `dsv3_offload`, kept on device in `dsv3_device`, tag by tag."""
+    for preset, place in [("dsv3_offload", "offload"), ("dsv3_device", "device")]:
+        tables = policies.placement_tables(preset, {}, deepseek.SCANS)
+        assert tables == {s: {t: place for t in tags} for s, tags in DEEPSEEK_OFFLOADED.items()}
+
+
+def test_the_llama405b_offload_memory_facts():
+    """Per GPU at batch 2 x 8192, bf16: Q 512 MiB, K and V 32 MiB each per layer, 70.9 GiB
+    over 126 layers; FSDP over 128 of 405,853,388,800 fp32 weights and Adam's two moments."""
+    planned = full_plan("llama405b-offload")
+    per_layer = {line.value.tag: line.value.nbytes for line in planned.tags if line.offloaded}
+    assert per_layer == {"query_proj": 512 * MiB, "key_proj": 32 * MiB, "value_proj": 32 * MiB}
+    assert planned.host_activations == 126 * 576 * MiB
+    assert f"{planned.host_activations / GiB:.1f}" == "70.9"
+    assert planned.params == 405_853_388_800 * 4 // 128
+    assert planned.optimizer == 2 * planned.params + 8  # + two int32 counts (Adam, schedule)
+    assert planned.device_activations > 126 * 512 * MiB  # at least the layer inputs
+    baseline = full_plan("llama405b-baseline")
+    assert baseline.host_activations == 0 and not any(t.offloaded for t in baseline.tags)
+
+
+def test_the_deepseek_offload_row_stores_its_tensors_on_host():
+    """Per GPU at micro batch 8 x 4096 tokens, bf16, from the tensors' shapes: the MLA
+    latents [8, 4096, 1536 / 1536 / 512 + 64 / 512], and the experts' up-projections over
+    their blocks, 256 experts x ceil(1.25 x 8 x 4096 x 8 / 256) = 1280 rows x 2048, in each of
+    58 MoE layers; the dense MLP's [8, 4096, 18432] up-projections in each of 3 dense layers
+    (its down-projection is never read by the backward pass: nothing to store)."""
+    tokens = 8 * 4096
+    latents = tokens * (1536 + 1536 + 576 + 512) * 2
+    experts = 2 * 256 * math.ceil(1.25 * tokens * 8 / 256) * 2048 * 2
+    dense = 2 * tokens * 18432 * 2
+    host = 58 * (latents + experts) + 3 * dense
+    assert f"{host / GiB:.1f}" == "166.5"
+    assert full_plan("deepseek671b-offload").host_activations == host
+
+
+def test_the_deepseek_rows_fit_as_the_study_found():
+    """Saving the selected activations on device fits at micro batch 2, not at 8; offloading
+    them fits at 8, with host memory to spare (128 GB200s, experts split over the GPUs)."""
+    fits = {name: full_plan(name) for name in ("deepseek671b-device", "deepseek671b-device-mb8",
+                                               "deepseek671b-offload")}
+    assert fits["deepseek671b-device"].fits
+    assert fits["deepseek671b-device-mb8"].peak_estimate > fits["deepseek671b-device-mb8"].capacity
+    offload = fits["deepseek671b-offload"]
+    assert offload.fits and offload.host_activations > 100 * GiB
+
+
+def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
+    """The DeepSeek offload row fits the 95% of a GB200 the trainer gives XLA's pool, and not
+    the 75% JAX takes by default."""
+    gpu = GPUS["gb200"]
+    assert gpu.memory == 197_897_748_480  # the spec's device_memory_size: 184.3 GiB
+    assert backend.pool_bytes(gpu) == int(0.95 * gpu.memory)
+    assert full_plan("deepseek671b-offload").fits
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.75")
+    assert backend.pool_bytes(gpu) == int(0.75 * gpu.memory)
+    assert not full_plan("deepseek671b-offload").fits
+
+
+def test_the_plan_keeps_a_devices_own_experts_whole():
+    """Under expert parallelism a device holds its experts whole: the plan must not divide
+    what it saves of them (their bf16 casts, without checkpointing) by the fsdp size again."""
+    run = configs.RunConfig(policy="none", expert_parallel=True, seq=16, per_device_batch=1,
+                            compute_dtype="bfloat16")
+    step = TracedStep(TINY_DEEPSEEK, run, (1, 2))
+    planned = memory.plan(step, None, memory.tag_lines(step, None), 10**12, 10**12)
+    own = (TINY_DEEPSEEK.n_moe_layers, TINY_DEEPSEEK.n_experts // 2, TINY_DEEPSEEK.d_model,
+           TINY_DEEPSEEK.moe_d_ff)
+    assert TINY_DEEPSEEK.n_moe_layers % 2 == 0  # what a second division would have halved
+    assert own in {r.shape for r in planned.residuals}
+
+
+def test_plan_command_prints_the_study_facts(capsys):
+    assert train.main(["llama405b-offload", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "= 576 MiB per layer; x 126 layers = 70.9 GiB in host memory" in out
+    assert "WARNING" in out and plan.HOST_POOL_VARIABLE in out
+    assert "peak device (estimate)" in out
+
+
+@pytest.mark.parametrize("name", list(configs.EXPERIMENTS))
+@pytest.mark.parametrize("scale", ["proxy", "full"])
+def test_every_experiment_is_sound_at_both_scales(name, scale):
+    experiment = configs.get(name)
+    model, run = experiment.at_scale(scale)
+    devices = run.mesh.data * run.mesh.fsdp if scale == "full" else 8
+    assert configs.problems(model, run, devices) == []
+    if run.policy != policies.NO_CHECKPOINT:
+        policies.placement_tables(run.policy, run.placements, families.scan_tags(model))
