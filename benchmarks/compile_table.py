@@ -23,7 +23,7 @@ from trainer import target as trainer_target  # noqa: E402
 GiB = 2**30
 ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
         "deepseek671b-device-mb8"]
-# The study's GPU memory per device, where it reports one (experiments.md): DeepSeek-V3 with
+# The study's GPU memory per device, where it reports one (docs/study.md): DeepSeek-V3 with
 # offload + LHS + pipelined transfers, and the same without LHS and pipelining.
 STUDY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
 

@@ -115,7 +115,7 @@ class Experiment:
 
 EXPERIMENTS: dict[str, Experiment] = {}
 COMPARISONS: dict[str, tuple[str, ...]] = {}  # name -> experiments run one after another
-# The study's measured TFLOP/s/device per row (experiments.md, 128 GB200s): the placement
+# The study's measured TFLOP/s/device per row (docs/study.md, 128 GB200s): the placement
 # search's time model takes its one efficiency figure from CALIBRATION and predicts the rest.
 STUDY_TFLOPS: dict[str, float] = {}
 CALIBRATION = "llama405b-baseline"

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 671B and the study's DeepSeek experiments (experiments.md, the DeepSeek table)."""
+"""DeepSeek-V3 671B and the study's DeepSeek experiments (docs/study.md, the DeepSeek table)."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""Llama 3.1 models and the study's Llama 405B experiments (experiments.md, the Llama table)."""
+"""Llama 3.1 models and the study's Llama 405B experiments (docs/study.md, the Llama table)."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""The placement search's time model against the study's published claims (experiments.md), with
+"""The placement search's time model against the study's published claims (docs/study.md), with
 one row calibrating it, and its memory against the static plan. Every figure is predicted from
 the traced full-scale step (abstract values: nothing compiled or allocated)."""
 
@@ -103,7 +103,7 @@ def test_bad_search_option_is_one_line_and_status_2(capsys):
 
 
 def test_hardware_figures_are_hardware_md():
-    """The time model's inputs, per GPU (hardware.md's table)."""
+    """The time model's inputs, per GPU (docs/hardware.md)."""
     assert {g.name: (g.bf16_flops, g.nvlink, g.host_link) for g in GPUS.values()} == {
         "gb200": (2.5e15, 900e9, 450e9), "b200": (2.25e15, 900e9, 50e9),
         "h200": (989e12, 450e9, 50e9), "h100": (989e12, 450e9, 50e9)}
