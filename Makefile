@@ -7,18 +7,19 @@ READY := $(VENV)/.ready
 # XLA's GPU compiler (the CUDA plugin and cuDNN, ~2 GB more): for --compile and the tests.
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
-.PHONY: help install install-gpu install-gpu-compile lint test bench list clean
+.PHONY: help install install-gpu install-gpu-compile lint test bench step-times list clean
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
 	@echo "make llama405b-offload ARGS=resume=latest     continue its newest checkpointed run"
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
-	@echo "make compile-llama405b-offload               its full-scale step compiled for its GPUs (no GPU needed)"
+	@echo "make compile-llama405b-offload               its full-scale step compiled for its GPUs, its time replayed (no GPU needed)"
 	@echo "make search-llama405b-offload [ARGS=device=h200]  placements ranked by predicted memory and step time"
 	@echo "make llama405b-compare                       the study's four Llama rows, one table"
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite (8 fake CPU devices, GPU programs compiled without a GPU)"
 	@echo "make bench    proxy step time, FLOP rate vs a matmul ceiling; search and checkpoint costs"
+	@echo "make step-times  the study's rows compiled and replayed, against the study's throughput"
 	@echo "make install  create $(VENV) with the pinned dependencies (make install-gpu: + CUDA)"
 
 $(READY): pyproject.toml
@@ -53,6 +54,9 @@ test: lint $(COMPILE_READY)
 bench: $(READY)
 	$(PY) benchmarks/bench.py $(ARGS)
 	$(PY) benchmarks/checkpoint_bench.py
+
+step-times: $(COMPILE_READY)
+	$(PY) benchmarks/step_times.py $(ARGS)
 
 llama%: $(READY)
 	$(PY) train.py $@ $(ARGS)

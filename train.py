@@ -26,7 +26,7 @@ import time
 import jax
 
 import configs
-from analysis import memory, plan, search_report
+from analysis import memory, plan, predicted, search_report
 from configs import ConfigError
 from configs.gpus import GPUS
 from hf.safetensors import CheckpointError
@@ -108,7 +108,9 @@ def print_plan(name: str, args: list[str]) -> None:
 
 def print_compile(name: str, args: list[str]) -> None:
     """The experiment's full-scale step compiled for its GPUs (`device`) on compile-only
-    devices, through `build` as a run on them would; XLA's memory beside the static plan."""
+    devices, through `build` as a run on them would: XLA's memory beside the static plan, and
+    the step's time replayed from the compiled schedule (into a run folder: compiled.json,
+    timeline.json)."""
     setup = resolve(name, args, full=True)
     run = setup.run
     gpu = GPUS[run.device]
@@ -120,25 +122,50 @@ def print_compile(name: str, args: list[str]) -> None:
     print(f"xla flags: {report.flags_line(run, target)}; kernels: "
           f"{report.kernels_line(setup.model, run, built.mesh, target)}")
     print("\n".join(plan.plan_lines(name, run, built.full_plan)))
-    print("\n".join(plan.compiled_lines(memory.CompiledMemory.of(built.compiled),
-                                        built.full_plan, gpu)))
+    compiled = memory.CompiledMemory.of(built.compiled)
+    print("\n".join(plan.compiled_lines(compiled, built.full_plan, gpu)))
+    flops = families.of(setup.model).training_flops(setup.model, run.per_device_batch, run.seq)
+    prediction = predicted.predict(built.compiled.as_text(), gpu, len(target.devices), flops,
+                                   configs.STUDY_TFLOPS.get(name), keep_slices=True)
+    print("\n".join(predicted.lines(prediction)))
+    if jax.process_index() == 0:
+        folder = report.new_run_dir(run.out_dir, f"{name}-compile")
+        predicted.write(prediction, compiled, built.full_plan, folder, name)
+        print(f"wrote {folder}/compiled.json and {folder}/timeline.json (a Perfetto trace: "
+              "ui.perfetto.dev)")
 
 
 def print_search(name: str, args: list[str]) -> None:
     """The experiment's placements ranked by predicted memory and step time on its `device`;
-    `search.verify=N` compiles the best N for those GPUs through `build` (a minute each)."""
+    `search.verify=N` compiles the best N and the model's registered rows for those GPUs
+    through `build` and ranks them by the replay of their compiled programs."""
     args, options = search_report.split_options(args)
     setup = resolve(name, args, full=True)
     result = search_report.run_search(setup.experiment, options, time.perf_counter)
     print("\n".join(search_report.report_lines(result, int(options["top"]))))
     if options["plot"] != "off" and jax.process_index() == 0:  # one picture per launch
         print(search_report.write_plot(result, setup.run.out_dir))
+    if not (verify := int(options["verify"])):
+        return
     gpu, run = GPUS[setup.run.device], setup.run
-    for prediction in result.ranked[:int(options["verify"])]:
-        overrides = search_report.run_overrides(prediction, setup.model)
-        built = build(resolve(name, [*args, *overrides], full=True),
-                      compile_only(gpu, run.mesh.data * run.mesh.fsdp))
-        print(search_report.verified_line(prediction, built.compiled, overrides))
+    target = compile_only(gpu, run.mesh.data * run.mesh.fsdp)
+    rows = {tuple(search_report.run_overrides(p, setup.model)) for p in result.rows}
+    todo = [(p, name, [*args, *search_report.run_overrides(p, setup.model)])
+            for p in result.ranked[:verify]
+            if tuple(search_report.run_overrides(p, setup.model)) not in rows]  # one compile each
+    todo += [(p, p.candidate.row, [f"device={gpu.name}"]) for p in result.rows]
+    found = []
+    for prediction, experiment, overrides in todo:
+        row = resolve(experiment, overrides, full=True)
+        built = build(row, target)
+        flops = families.of(row.model).training_flops(row.model, row.run.per_device_batch,
+                                                       row.run.seq)
+        replayed = predicted.predict(built.compiled.as_text(), gpu, len(target.devices), flops,
+                                     configs.STUDY_TFLOPS.get(experiment))
+        what = experiment if prediction.candidate.row else " ".join(overrides[len(args):])
+        found.append(search_report.Verified(prediction, memory.CompiledMemory.of(built.compiled),
+                                            replayed, what))
+    print("\n".join(search_report.verified_lines(found, result.hw.capacity)))
 
 
 def exit_status(summary: dict | None) -> int:

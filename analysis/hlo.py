@@ -6,9 +6,12 @@ same way as a fresh compile.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import re
+
+import numpy as np
 
 HOST_MEMORY_SPACE = 5  # S(5): pinned host memory on XLA's GPU backend
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,
@@ -151,6 +154,10 @@ class Computation:
     def root(self) -> Instruction:
         return next(i for i in self.instructions if i.root)
 
+    @functools.cached_property
+    def by_name(self) -> dict[str, Instruction]:
+        return {i.name: i for i in self.instructions}
+
     def parameters(self) -> list[Instruction]:
         found = [i for i in self.instructions if i.opcode == "parameter"]
         return sorted(found, key=lambda i: i.parameter_number)
@@ -206,3 +213,28 @@ def parse_module(text: str) -> Module:
         elif (instruction := parse_instruction(line)) is not None:
             current.instructions.append(instruction)
     return Module(computations, scheduled)
+
+
+def replica_groups(instruction: Instruction, devices: int) -> list[list[int]]:
+    """The device groups of a collective, from any of the forms XLA prints: `{}` (all),
+    `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)` and jax 0.12's `mesh['a'=2,'b'=4] {'b'}`."""
+    text = instruction.attrs.get("replica_groups", "{}")
+    if text in ("{}", "{{}}"):
+        return [list(range(devices))]
+    if text.startswith("{"):
+        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", text)]
+    if text.startswith("mesh["):
+        axes = re.findall(r"'([^']+)'=(\d+)", text[:text.index("]")])
+        chosen = re.findall(r"'([^']+)'", text[text.index("]"):])
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        order = [i for i, a in enumerate(names) if a not in chosen]
+        order += [names.index(a) for a in chosen]
+        size = math.prod(sizes[names.index(a)] for a in chosen)
+        return ids.transpose(order).reshape(-1, size).tolist()
+    shape, dims, perm = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text).groups()
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape(
+        [int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return ids.reshape([int(d) for d in shape.split(",")]).tolist()

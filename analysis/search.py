@@ -5,9 +5,10 @@ schedule (latency hiding scheduler on or off, pipelined host offloading on or of
 come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `trace.work`)
 and from the hardware figures; nothing here traces or reads configs.
 
-Time model, per layer scan and per layer (`predict`):
+A fast time model, for ranking many candidates (the replay of a compiled program,
+analysis/replay.py, judges the few that are compiled), per layer scan and per layer (`predict`):
   compute    executed dot FLOPs (no checkpointing, plus what this table recomputes) at one
-             calibrated rate (an efficiency figure x the GPU's bf16 peak);
+             rate (the GPU's bf16 rate, configs/gpus.py);
   host link  each offloaded tag's bytes, once to host in the forward pass and once back;
   NVLink     FSDP: the layer's weights all-gathered in each pass, its gradients
              reduce-scattered; expert all-to-alls (and the ones the recompute repeats).
@@ -64,7 +65,7 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
-    rate: float  # dot FLOP/s achieved: efficiency x bf16 peak
+    rate: float  # dot FLOP/s
     nvlink: float  # bytes/s each way
     host_link: float  # bytes/s each way
     devices: int  # in the FSDP and expert collectives

@@ -6,8 +6,10 @@
 
 Every figure comes from the traced full-scale step (abstract values over an abstract mesh,
 as `--plan`): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
-tag's recompute saving; hardware figures from configs/gpus.py; the one efficiency figure from
-the study's row `configs.CALIBRATION`. `analysis/search.py` holds the model and the search.
+tag's recompute saving; hardware figures from configs/gpus.py (GEMMs at the bf16 rate the
+replay uses). This fast model only ranks; `search.verify=N` compiles the best N and the rows
+registered for the model and ranks those by the replay of their compiled programs
+(analysis/replay.py). `analysis/search.py` holds the model and the search.
 """
 
 import dataclasses
@@ -159,32 +161,16 @@ def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
                                  row.name)
 
 
-def hardware(gpu: Gpu, efficiency: float, devices: int) -> search.Hardware:
-    return search.Hardware(gpu.name, efficiency * gpu.bf16_flops, gpu.nvlink, gpu.host_link,
-                           devices, backend.pool_bytes(gpu), gpu.host_memory)
+def hardware(gpu: Gpu, devices: int) -> search.Hardware:
+    rate = gpu.peaks["bf16"] * gpu.efficiency.get("bf16", 1.0)
+    return search.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices,
+                           backend.pool_bytes(gpu), gpu.host_memory)
 
 
 def exact(tracer: Tracer, candidate: search.Candidate, hw: search.Hardware):
     tables = {s: candidate.table(s) for s in tracer.scans}
     return search.predict(candidate, tracer.workload(candidate.batch, savings=False), hw,
                           tracer.recompute(candidate.batch, tables))
-
-
-@functools.cache
-def efficiency() -> float:
-    """Achieved dot FLOP/s over the GB200's bf16 peak at which the calibration row's predicted
-    step time equals the study's (bisection: the step time falls as the rate grows)."""
-    row = configs.get(configs.CALIBRATION)
-    tracer, gpu = tracer_for(row), GPUS["gb200"]
-    candidate = row_candidate(tracer, row)
-    devices = row.run.mesh.data * row.run.mesh.fsdp
-    measured = tracer.workload(candidate.batch).model_flops / configs.STUDY_TFLOPS[row.name]
-    low, high = 1e-3, 1e2
-    for _ in range(60):
-        middle = (low * high) ** 0.5
-        step = exact(tracer, candidate, hardware(gpu, middle, devices)).step_s
-        low, high = (middle, high) if step > measured / 1e12 else (low, middle)
-    return (low * high) ** 0.5
 
 
 @dataclasses.dataclass
@@ -218,7 +204,7 @@ def run_search(experiment: Experiment, options: dict, clock) -> Result:
     started = clock()
     run = experiment.run
     tracer = tracer_for(experiment)
-    hw = hardware(GPUS[run.device], efficiency(), run.mesh.data * run.mesh.fsdp)
+    hw = hardware(GPUS[run.device], run.mesh.data * run.mesh.fsdp)
     rows = [row_candidate(tracer, e) for e in study_rows(experiment)]
     batches = batches_of(experiment, options["batches"])
     works = {b: tracer.workload(b) for b in batches}
@@ -263,18 +249,14 @@ HEADER = (f"{'rank':>5} {'mb':>3} {'schedule':<14}{'device':>8}{'host':>8}{'step
 def report_lines(result: Result, top: int) -> list[str]:
     hw, e = result.hw, result.experiment
     scans = list(families.of(e.model).SCANS)
-    gpu = GPUS[hw.name]
-    calibration = configs.CALIBRATION
     lines = [
         f"placement search: {e.name} on {hw.devices} x {hw.name}, micro batches "
         f"{','.join(map(str, result.batches))}; {result.searched} candidates, "
         f"{sum(p.fits for p in result.ranked)} fit {hw.capacity / GiB:.1f} GiB "
         f"(JAX's pool) and {hw.host_capacity / GiB:.0f} GiB host; {result.seconds:.1f} s",
-        f"time model: dot FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s ({efficiency():.3f} x the "
-        f"{hw.name}'s {gpu.bf16_flops / 1e12:,.0f} TFLOP/s bf16 peak; the efficiency is "
-        f"calibrated on {calibration}, {configs.STUDY_TFLOPS[calibration]:,} TFLOP/s on 128 "
-        f"GB200s); NVLink {hw.nvlink / 1e9:.0f} GB/s, host link {hw.host_link / 1e9:.0f} GB/s "
-        "each way",
+        f"fast time model (ranking only; search.verify=N replays the compiled programs): dot "
+        f"FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s (the {hw.name}'s bf16 rate, configs/gpus.py), "
+        f"NVLink {hw.nvlink / 1e9:.0f} GB/s, host link {hw.host_link / 1e9:.0f} GB/s each way",
         "GiB per device; TFLOP/s/device by MaxText's formula; seconds per step: recompute, and "
         "exposed host transfers and NVLink collectives; ~: recompute summed per tag (the rest "
         "counted on their own trace)", HEADER]
@@ -312,12 +294,27 @@ def run_overrides(prediction: search.Prediction, model) -> list[str]:
     return search.overrides(prediction.candidate, list(families.of(model).SCANS))
 
 
-def verified_line(prediction: search.Prediction, compiled, overrides: list[str]) -> str:
-    """A candidate compiled for its GPUs: XLA's memory beside the prediction."""
-    got = memory.CompiledMemory.of(compiled)
-    return (f"compiled: {got.device / GiB:.1f} GiB device, {got.host / GiB:.1f} GiB host "
-            f"(predicted {prediction.device_bytes / GiB:.1f}, "
-            f"{prediction.host_bytes / GiB:.1f}) for {' '.join(overrides)}")
+@dataclasses.dataclass
+class Verified:
+    """A candidate or registered row compiled for its GPUs and its step replayed."""
+    prediction: search.Prediction  # the fast model's
+    compiled: memory.CompiledMemory
+    replayed: object  # analysis.predicted.StepPrediction
+    what: str  # the row's name, or the candidate's overrides
+
+
+def verified_lines(found: list[Verified], capacity: int) -> list[str]:
+    """Ranked by the replay of each compiled program; the fast model's figures beside it."""
+    lines = ["verified: compiled for the GPUs and replayed (analysis/replay.py), best first",
+             f"{'replayed':>9}{'fast':>7}{'study':>7}{'device':>8}{'host':>7}  fit   what "
+             "(TFLOP/s/device; GiB per device as compiled)"]
+    for v in sorted(found, key=lambda v: -v.replayed.tflops):
+        study = configs.STUDY_TFLOPS.get(v.what)
+        lines.append(f"{v.replayed.tflops:>9,.0f}{v.prediction.tflops:>7,.0f}"
+                     f"{'' if study is None else f'{study:,.0f}':>7}"
+                     f"{v.compiled.device / GiB:>8.1f}{v.compiled.host / GiB:>7.1f}  "
+                     f"{'fits' if v.compiled.device <= capacity else 'NO':<6}{v.what}")
+    return lines
 
 
 def write_plot(result: Result, out_dir: str) -> str:

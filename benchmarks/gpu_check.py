@@ -12,7 +12,8 @@
 2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
    proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:
    step time (forward + backward), TFLOP/s/device by MaxText's formula, peak device memory,
-   and the compiled program's host (pinned) bytes.
+   the compiled program's host (pinned) bytes, and beside the measured step the replay of the
+   same compiled program (analysis/replay.py): the time model's error on this GPU.
 """
 
 import dataclasses
@@ -34,7 +35,8 @@ import numpy as np  # noqa: E402
 import configs  # noqa: E402
 
 from model import common, llama, quant  # noqa: E402
-from analysis import addressing  # noqa: E402
+from analysis import addressing, hlo, replay  # noqa: E402
+from configs.gpus import GPUS  # noqa: E402
 from offload import policies  # noqa: E402
 from trainer import step as trainer_step  # noqa: E402
 from trainer import target as trainer_target  # noqa: E402
@@ -116,10 +118,16 @@ def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
         jax.block_until_ready(compiled(params, batch))
         times.append(time.perf_counter() - started)
     step_s = statistics.median(times[1:])
+    kind = jax.devices()[0].device_kind
+    gpu = next((g for g in GPUS.values() if jax.default_backend() == "gpu" and (
+        g.device_kind.startswith(kind) or kind.startswith(g.device_kind))), None)
+    replayed = (float("nan") if gpu is None else
+                replay.replay(hlo.parse_module(compiled.as_text()), gpu, 1).step_s)
     stats = jax.local_devices()[0].memory_stats() or {}
     analysis = compiled.memory_analysis()
     return {"row": name, "layers": model.n_layers, "seq": seq, "batch": batch_size,
-            "compile_s": compile_s, "step_ms": step_s * 1e3,
+            "compile_s": compile_s, "step_ms": step_s * 1e3, "replayed_ms": replayed * 1e3,
+            "replay_error": replayed / step_s - 1,
             "tflops_per_device": llama.training_flops(model, batch_size, seq) / step_s / 1e12,
             "peak_device_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
             "host_temp_gib": getattr(analysis, "host_temp_size_in_bytes", 0) / 2**30,
@@ -173,13 +181,14 @@ def main(argv: list[str]) -> int:
         args = [sys.executable, __file__, "--row", name] + (["--smoke"] if smoke else [])
         out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
-    keys = ["step_ms", "tflops_per_device", "peak_device_gib", "host_temp_gib",
-            "device_temp_gib", "compile_s"]
+    keys = ["step_ms", "replayed_ms", "replay_error", "tflops_per_device", "peak_device_gib",
+            "host_temp_gib", "device_temp_gib", "compile_s"]
     print(f"{'row':<30}" + "".join(f"{k:>18}" for k in keys))
     for r in rows:
         print(f"{r['row']:<30}" + "".join(f"{r[k]:>18.2f}" for k in keys))
     print(f"(L={rows[0]['layers']}, seq {rows[0]['seq']}, batch {rows[0]['batch']}; forward + "
-          "backward, no optimizer; TFLOP/s by MaxText's formula)")
+          "backward, no optimizer; TFLOP/s by MaxText's formula; replayed_ms: the same compiled "
+          "program replayed on configs/gpus.py's figures, nan off a known GPU)")
     proven = all(v == addressing.CHECKED for r in correctness for v in r["addressing"])
     return 0 if all(r["ok"] for r in correctness) and proven and "WRONG" not in nvfp4[0] else 1
 

@@ -115,10 +115,9 @@ class Experiment:
 
 EXPERIMENTS: dict[str, Experiment] = {}
 COMPARISONS: dict[str, tuple[str, ...]] = {}  # name -> experiments run one after another
-# The study's measured TFLOP/s/device per row (docs/study.md, 128 GB200s): the placement
-# search's time model takes its one efficiency figure from CALIBRATION and predicts the rest.
+# The study's measured TFLOP/s/device per row (docs/study.md, 128 GB200s): what each row's
+# replayed step is compared with (`--compile`, benchmarks/step_times.py).
 STUDY_TFLOPS: dict[str, float] = {}
-CALIBRATION = "llama405b-baseline"
 
 
 def register(*experiments: Experiment) -> None:

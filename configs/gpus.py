@@ -10,20 +10,40 @@ published). No JAX import (see configs).
 import dataclasses
 import functools
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 SPECS = Path(__file__).resolve().parent / "gpu_specs"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # one object per kind: compared by identity
 class Gpu:
+    """One GPU kind as the plans and the step-time replay see it. Figures from
+    docs/hardware.md (public sources named there); HBM bandwidth from XLA's spec."""
     name: str  # the key users type: device=gb200
     per_host: int  # GPUs per host in the usual system (a GB200 NVL72 tray: 4; a DGX: 8)
-    host_memory: int  # bytes of host memory per GPU there (hardware.md)
-    # The time model's figures, from ../shared/reference/hardware.md (public figures):
-    bf16_flops: float  # dense bf16 peak, FLOP/s
+    host_memory: int  # bytes of host memory per GPU there
+    peaks: Mapping[str, float]  # dense FLOP/s per precision class of a GEMM's inputs
     nvlink: float  # GPU-GPU bytes/s each way
-    host_link: float  # GPU-host bytes/s each way
+    nvlink_domain: int  # GPUs one NVLink fabric joins (NVL72: 72, a DGX: 8)
+    network: float  # bytes/s each way per GPU between NVLink domains (its NIC)
+    host_link: float  # bytes/s each way of one host link
+    host_link_gpus: int  # GPUs that share one host link (a Grace serves two)
+    # What a GEMM reaches of its peak, per precision class, fitted on one study row (named);
+    # a class without a fitted figure runs at peak and is reported as uncalibrated.
+    efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    calibrated_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    collective_latency: float = 15e-6  # NCCL's base ring/tree latency (tuning.cc: 12-17 us)
+    kernel_launch: float = 2e-6  # the gap between two kernels on one stream (assumed)
+
+    @property
+    def bf16_flops(self) -> float:
+        return self.peaks["bf16"]
+
+    @property
+    def hbm(self) -> float:
+        """HBM bytes/s, as XLA's spec has it."""
+        return float(self._field("memory_bandwidth"))
 
     @functools.cached_property
     def spec(self) -> str:
@@ -55,18 +75,21 @@ class Gpu:
         return f"1x{devices // per_host}x{per_host}"
 
 
-# A GB200 NVL72 Grace has 480 GB for its two GPUs; a DGX B200 / H200 / H100 has 2 TB for eight.
-# NVLink 5 moves 900 GB/s each way, NVLink 4 450. The GB200's host link is NVLink-C2C, 900 GB/s
-# both ways per superchip (whether each of a Grace's two GPUs gets all of it is not confirmed);
-# the others' is PCIe Gen5 x16, 64 GB/s in theory and ~50 measured (nvbandwidth issues 24, 53).
-# Dense bf16 peaks: B200 2.25-2.5 PFLOP/s (the lower), H100/H200 989 TFLOP/s (not the sparse 1,979).
+# Dense peaks (sparsity doubles the datasheets' figures); "tf32" is what an f32 GEMM runs at.
+# NVLink 5 moves 900 GB/s each way, NVLink 4 450; one 400 Gb/s NIC per GPU between domains.
+# A GB200's host link is NVLink-C2C, 900 GB/s both ways per Grace, which serves two GPUs (how
+# it divides between them is not published); the others' is PCIe Gen5 x16, ~50 GB/s measured.
+BLACKWELL = {"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15}
+HOPPER = {"bf16": 989e12, "fp8": 1979e12, "tf32": 495e12}
 GPUS = {gpu.name: gpu for gpu in (
-    Gpu("gb200", per_host=4, host_memory=240 * 10**9, bf16_flops=2.5e15, nvlink=900e9,
-        host_link=450e9),
-    Gpu("b200", per_host=8, host_memory=256 * 10**9, bf16_flops=2.25e15, nvlink=900e9,
-        host_link=50e9),
-    Gpu("h200", per_host=8, host_memory=256 * 10**9, bf16_flops=989e12, nvlink=450e9,
-        host_link=50e9),
-    Gpu("h100", per_host=8, host_memory=256 * 10**9, bf16_flops=989e12, nvlink=450e9,
-        host_link=50e9),
+    Gpu("gb200", per_host=4, host_memory=240 * 10**9, peaks=BLACKWELL, nvlink=900e9,
+        nvlink_domain=72, network=50e9, host_link=450e9, host_link_gpus=2),
+    Gpu("b200", per_host=8, host_memory=256 * 10**9,
+        peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.125e15}, nvlink=900e9,
+        nvlink_domain=8,
+        network=50e9, host_link=50e9, host_link_gpus=1),
+    Gpu("h200", per_host=8, host_memory=256 * 10**9, peaks=HOPPER, nvlink=450e9,
+        nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
+    Gpu("h100", per_host=8, host_memory=256 * 10**9, peaks=HOPPER, nvlink=450e9,
+        nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
 )}

@@ -88,7 +88,7 @@ def flags_line(run, target) -> str:
             f"{os.environ.get('XLA_FLAGS', '')}")
 
 
-def _new_run_dir(root: str, name: str) -> Path:
+def new_run_dir(root: str, name: str) -> Path:
     """A fresh folder per run, never an existing one: earlier results are not overwritten."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1000):
@@ -104,7 +104,7 @@ def _new_run_dir(root: str, name: str) -> Path:
 def _shared_run_dir(root: str, name: str) -> Path:
     """Process 0 makes the run folder and tells the others its name (checkpoints go under it,
     and every process writes its own shards there)."""
-    path = _new_run_dir(root, name) if jax.process_index() == 0 else None
+    path = new_run_dir(root, name) if jax.process_index() == 0 else None
     if jax.process_count() == 1:
         return path
     text = np.zeros(1024, np.uint8)
@@ -329,7 +329,7 @@ def comparison(name: str, rows: list) -> None:
     print(f"\n{name} ({', '.join(sorted(scales))} scale, {jax.device_count()} x "
           f"{jax.default_backend()}):")
     print("\n".join(markdown))
-    folder = _new_run_dir(rows[0][0].run.out_dir, name)
+    folder = new_run_dir(rows[0][0].run.out_dir, name)
     (folder / "compare.md").write_text("\n".join(markdown) + "\n")
     (folder / "compare.csv").write_text("\n".join(",".join(r) for r in [header, *table]) + "\n")
     print(f"written to {folder}")

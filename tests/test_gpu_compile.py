@@ -3,6 +3,7 @@ from XLA's target specs): every experiment row through the builder a GPU run use
 XLA really does with the offloads, against the study's tables (tests/test_study.py)."""
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -14,11 +15,12 @@ import pytest
 
 import configs
 import train
-from analysis import hlo, memory, trace
+from analysis import hlo, memory, replay, trace
+from analysis.traced import TracedStep
 from configs.gpus import GPUS
 from model import common
 from model.config import DeepSeekConfig
-from runtime import report
+from runtime import backend, report
 from runtime import setup as runtime_setup
 from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
 from test_invariances import NEVER_NEEDED
@@ -211,8 +213,9 @@ def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
         "None (0.8, 'XLA_PYTHON_CLIENT_MEM_FRACTION')")
 
 
-def test_compile_command_prints_compiled_memory_beside_the_plan(capsys):
-    assert train.main(["llama8b-offload", "--compile", "model.n_layers=2"]) == 0
+def test_compile_command_prints_compiled_memory_beside_the_plan(capsys, tmp_path):
+    assert train.main(["llama8b-offload", "--compile", "model.n_layers=2",
+                       f"out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "for 8 x NVIDIA GB200, compile-only" in out and "topology 1x2x4" in out
     assert out.count("pinned host, stacked in memory space S(5): read back layer 1 first: "
@@ -220,6 +223,28 @@ def test_compile_command_prints_compiled_memory_beside_the_plan(capsys):
     assert re.search(r"device total\s+[\d.]+ GiB\s+[\d.]+ GiB", out)
     assert "FITS" in out and "XLA_CLIENT_MEM_FRACTION=0.95 x 184.3 GiB" in out
     assert "cuDNN workspaces (0 without a GPU)" in out
+    # The step replayed from the compiled schedule, into the run folder.
+    step_s = float(re.search(r"replayed from the compiled schedule.*: ([\d.]+) s,", out).group(1))
+    [folder] = tmp_path.glob("llama8b-offload-compile-*")
+    record = json.loads((folder / "compiled.json").read_text())
+    assert record["predicted_step_s"] == pytest.approx(step_s, abs=0.005)
+    assert set(record["exposed_s"]) == set(replay.STREAMS[1:])
+    assert record["memory_bytes"]["host"] > 0
+    trace = json.loads((folder / "timeline.json").read_text())
+    kernels = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    last = max(e["ts"] + e["dur"] for e in kernels)
+    assert last == pytest.approx(record["predicted_step_s"] * 1e6, rel=1e-6)
+    assert any("transpose(jvp(layers))" in e["args"]["op_name"] for e in kernels)
+
+
+def test_xla_rematerialization_warning_is_explained(capfd):
+    """XLA's warning counts the offloaded host buffers as device memory; a compile adds a line
+    that says so beside it."""
+    with backend.explained_compile():
+        os.write(2, b"W0 hlo_rematerialization.cc:3402] Can't reduce memory use below 1GiB\n")
+        os.write(2, b"something else\n")
+    err = capfd.readouterr().err.splitlines()
+    assert err[1] == backend.REMAT_NOTE.rstrip("\n") and err[2] == "something else"
 
 
 def test_compile_command_rejects_bad_input(capsys):
@@ -227,3 +252,35 @@ def test_compile_command_rejects_bad_input(capsys):
     assert capsys.readouterr().err.startswith("error: device='a100': choose one of")
     assert train.main(["llama405b-offload", "--compile", "mesh.fsdp=-1"]) == 2
     assert "set mesh.fsdp" in capsys.readouterr().err
+
+
+def test_the_no_lhs_rows_compile_without_the_latency_hiding_scheduler():
+    """An LHS row and its no-LHS twin (the same step, one flag apart), compiled for the
+    study's GPUs: with the scheduler, most collectives are issued asynchronously with kernels
+    between start and done, and every host transfer overlaps kernels; without it XLA runs
+    most collectives in place and waits for each host transfer at once. (jaxlib 0.10.2
+    scheduled both alike: its analytical estimator turned LHS on whatever the flag said.)"""
+    gpu, overlaps = GPUS["gb200"], {}
+    for name in ("llama405b-offload", "llama405b-offload-nolhs"):
+        built = built_as_a_gpu_run(name, FEWER_LAYERS["llama"])
+        overlaps[name] = replay.overlap(hlo.parse_module(built.compiled.as_text()), gpu, 128)
+    lhs, none = overlaps["llama405b-offload"], overlaps["llama405b-offload-nolhs"]
+    assert len(lhs.kernels_between("collectives")) >= 2 * lhs.synchronous
+    assert none.synchronous >= 5 * len(none.kernels_between("collectives"))
+    for stream in ("to host", "from host"):
+        assert len(lhs.kernels_between(stream)) == len(none.kernels_between(stream)) == 3
+        assert min(lhs.kernels_between(stream)) >= 1
+        assert max(none.kernels_between(stream)) == 0
+
+
+def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():
+    """Every GEMM XLA compiled, found and counted by the replay from the optimized HLO alone,
+    adds up to the dot FLOPs of the traced gradient (XLA's attention kernel and no NVFP4, so
+    that every GEMM is a dot in both)."""
+    overrides = ["model.n_layers=2", "quant=none", "attention=xla"]
+    built = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
+    result = replay.replay(hlo.parse_module(built.compiled.as_text()), GPUS["h200"], 8)
+    setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
+    traced = TracedStep(setup.model, setup.run, (1, 8)).work(setup.tables)
+    assert sum(result.flops.values()) == pytest.approx(sum(traced.flops.values()), rel=1e-12)
+    assert 0 < result.gemm_s < result.step_s

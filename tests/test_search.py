@@ -1,6 +1,8 @@
-"""The placement search's time model against the study's published claims (docs/study.md), with
-one row calibrating it, and its memory against the static plan. Every figure is predicted from
-the traced full-scale step (abstract values: nothing compiled or allocated)."""
+"""The placement search's fast model: its memory against the static plan and the study's memory
+facts, its terms on a hand-computed case, its overrides against the table they name. Its step
+times only rank candidates; the replay of compiled programs judges them (tests/test_replay.py,
+benchmarks/step_times.py). Every figure comes from the traced full-scale step (abstract
+values: nothing compiled or allocated)."""
 
 import pytest
 
@@ -17,39 +19,17 @@ def predicted(name: str, device: str = "gb200") -> search.Prediction:
     """A study row as the search predicts it on 128 GPUs of `device`, counted on its trace."""
     row = configs.get(name)
     tracer = ps.tracer_for(row)
-    hw = ps.hardware(GPUS[device], ps.efficiency(), 128)
+    hw = ps.hardware(GPUS[device], 128)
     return ps.exact(tracer, ps.row_candidate(tracer, row), hw)
 
 
-def gain(name: str, over: str, device: str = "gb200") -> float:
-    return predicted(name, device).tflops / predicted(over, device).tflops - 1
-
-
-def test_calibration_row_is_reproduced_and_the_llama_rows_follow_the_study():
-    assert predicted(configs.CALIBRATION).tflops == pytest.approx(2669, rel=1e-6)
-    # Study: +2.9% (Q/K/V offloaded, LHS), -3.7% (no LHS), pipelining -1.0% from LHS alone.
-    assert 0.01 < gain("llama405b-offload", "llama405b-baseline") < 0.05  # predicted +2.4%
-    assert gain("llama405b-offload-nolhs", "llama405b-baseline") < -0.02  # predicted -14.5%
-    assert abs(gain("llama405b-offload-pipelined", "llama405b-offload")) < 0.02  # 0.0%
-
-
-def test_deepseek_memory_facts_and_speed_order():
+def test_deepseek_memory_facts():
+    """The study: its selected tensors kept on device fit at micro batch 2, not at 8;
+    offloaded, micro batch 8 fits."""
     fits = {n: predicted(n).fits for n in ("deepseek671b-device", "deepseek671b-device-mb8",
                                            "deepseek671b-offload")}
     assert fits == {"deepseek671b-device": True, "deepseek671b-device-mb8": False,
                     "deepseek671b-offload": True}
-    best = predicted("deepseek671b-offload").tflops
-    # Study: 1.57x over remat, 1.677x over offload without LHS or pipelining; predicted 1.06x
-    # and 1.16x (README: which terms the model lacks).
-    assert best / predicted("deepseek671b-remat").tflops > 1.03
-    assert best / predicted("deepseek671b-offload-nolhs").tflops > 1.10
-
-
-def test_on_h200_pcie_streaming_the_moe_activations_stalls_the_step():
-    """The study's claim for commodity PCIe hosts: the same offload costs more than it saves."""
-    offload = predicted("deepseek671b-offload", "h200")
-    assert offload.terms.host_s > 1.0  # seconds per step waiting on PCIe
-    assert offload.tflops < predicted("deepseek671b-remat", "h200").tflops
 
 
 def test_predicted_memory_is_the_static_plans():
@@ -100,10 +80,3 @@ def test_bad_search_option_is_one_line_and_status_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "search.top" in err[0]
     assert train.main(["llama405b-offload", "--search", "search.nope=1"]) == 2
-
-
-def test_hardware_figures_are_hardware_md():
-    """The time model's inputs, per GPU (docs/hardware.md)."""
-    assert {g.name: (g.bf16_flops, g.nvlink, g.host_link) for g in GPUS.values()} == {
-        "gb200": (2.5e15, 900e9, 450e9), "b200": (2.25e15, 900e9, 50e9),
-        "h200": (989e12, 450e9, 50e9), "h100": (989e12, 450e9, 50e9)}

@@ -10,6 +10,7 @@ import optax
 from configs import ConfigError, RunConfig
 from model import common, families, quant
 from offload import policies
+from runtime.backend import explained_compile
 from trainer.step import loss_fn, train_step
 from trainer.target import Target, compiler_options, forward_options, kernel_checks
 
@@ -85,7 +86,8 @@ def compile_step(model, run: RunConfig, tables: dict | None, rules, optimizer, t
         lowered = step.lower(abstract_state(model, run, rules, optimizer),
                              abstract_batch(run, rules, n_devices))
     try:
-        return lowered.compile(compiler_options(run, target))
+        with explained_compile():
+            return lowered.compile(compiler_options(run, target))
     except jax.errors.JaxRuntimeError as e:
         if "compile option" in str(e):  # an XLA flag this jaxlib does not know
             raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None

@@ -1,0 +1,100 @@
+"""What `--compile` predicts of a step: the replay of its compiled schedule (analysis/replay.py)
+as printed lines and as the run folder's compiled.json and timeline.json."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+from analysis import hlo, memory, replay
+from configs.gpus import Gpu
+
+
+@dataclasses.dataclass
+class StepPrediction:
+    result: replay.Replay
+    model_flops: float  # per device and step, MaxText's formula
+    study_tflops: float | None  # the study's measured figure for this row, if it has one
+    gpu: Gpu
+    overlap: replay.Overlap
+
+    @property
+    def tflops(self) -> float:
+        return self.model_flops / self.result.step_s / 1e12
+
+
+def predict(compiled_hlo: str, gpu: Gpu, devices: int, model_flops: float,
+            study_tflops: float | None = None, keep_slices: bool = False,
+            efficiency=None) -> StepPrediction:
+    module = hlo.parse_module(compiled_hlo)
+    result = replay.replay(module, gpu, devices, efficiency, keep_slices)
+    return StepPrediction(result, model_flops, study_tflops, gpu,
+                          replay.overlap(module, gpu, devices))
+
+
+def efficiency_words(p: StepPrediction) -> str:
+    """Each precision class the step's GEMMs use, the rate it ran at and where that comes from."""
+    parts = []
+    for cls, flops in sorted(p.result.flops.items(), key=lambda kv: -kv[1]):
+        share = p.result.efficiency.get(cls, 1.0)
+        fitted = p.gpu.calibrated_on.get(cls)
+        source = f"fitted on {fitted}" if fitted else "peak: not calibrated"
+        parts.append(f"{cls} {flops / 1e15:.1f} PFLOP at {share:.0%} of "
+                     f"{p.gpu.peaks.get(cls, p.gpu.peaks['bf16']) / 1e15:g} PFLOP/s ({source})")
+    return "; ".join(parts)
+
+
+def schedule_words(o: replay.Overlap) -> str:
+    """How much the schedule overlaps: what the latency hiding scheduler changes."""
+    words = [f"{len(o.kernels_between('collectives'))} collectives async, {o.synchronous} "
+             "synchronous"]
+    for stream in replay.STREAMS[1:]:
+        if found := sorted(o.kernels_between(stream)):
+            words.append(f"{stream}: {found[len(found) // 2]} kernels between start and done "
+                         f"(median of {len(found)})")
+    return "; ".join(words)
+
+
+def lines(p: StepPrediction) -> list[str]:
+    r = p.result
+    study = (f"; the study measured {p.study_tflops:,.0f} ({p.tflops / p.study_tflops - 1:+.1%})"
+             if p.study_tflops else "")
+    exposed = ", ".join(f"{k} {v:.2f} s" for k, v in r.exposed.items() if v >= 0.005) or "none"
+    busy = ", ".join(f"{k} {v:.2f} s" for k, v in r.busy.items() if k != "compute" and v >= 0.005)
+    return [
+        f"step time (replayed from the compiled schedule, analysis/replay.py): {r.step_s:.2f} s, "
+        f"{p.tflops:,.0f} TFLOP/s/device (MaxText's formula){study}",
+        f"  compute stream {r.step_s:.2f} s: GEMM-bound kernels {r.gemm_s:.2f} s, waiting on "
+        f"other streams (exposed) {exposed}; critical: {r.critical()}",
+        f"  other streams busy: {busy or 'none'}",
+        f"  schedule: {schedule_words(p.overlap)}",
+        f"  GEMMs: {efficiency_words(p)}",
+        "  not known to a replay: the kernels autotuning picks on a GPU, contention between "
+        "streams, clocks, NCCL's algorithm (docs/replay.md)",
+    ]
+
+
+def record(p: StepPrediction, compiled: memory.CompiledMemory, plan: memory.MemoryPlan) -> dict:
+    """compiled.json: the compiled memory beside the plan, and the predicted step."""
+    r = p.result
+    return {
+        "predicted_step_s": r.step_s,
+        "predicted_tflops_per_device": p.tflops,
+        "study_tflops_per_device": p.study_tflops,
+        "exposed_s": r.exposed,
+        "busy_s": r.busy,
+        "gemm_bound_s": r.gemm_s,
+        "critical": r.critical(),
+        "gemm_flops": r.flops,
+        "efficiency": {cls: {"share_of_peak": r.efficiency.get(cls, 1.0),
+                             "fitted_on": p.gpu.calibrated_on.get(cls)} for cls in r.flops},
+        "model_flops_per_device": p.model_flops,
+        "memory_bytes": {**dataclasses.asdict(compiled), "device": compiled.device,
+                         "static_plan_peak": plan.peak_estimate,
+                         "static_plan_host": plan.host_activations},
+    }
+
+
+def write(p: StepPrediction, compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
+          folder: Path, title: str) -> None:
+    (folder / "compiled.json").write_text(json.dumps(record(p, compiled, plan), indent=2))
+    replay.write_timeline(p.result, title, folder / "timeline.json")

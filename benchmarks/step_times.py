@@ -1,0 +1,128 @@
+"""The study's rows replayed from their compiled GPU programs, against the study's throughput.
+
+    python benchmarks/step_times.py [--hlo DIR] [EXPERIMENT ...]
+
+Each row is compiled once for its GPUs on compile-only devices (as `make compile-ROW` does; or
+its optimized HLO read from DIR/<row>.hlo, written there by an earlier run with --hlo), its step
+replayed (analysis/replay.py) and compared with the study: TFLOP/s/device per row, then the
+study's five ratios, each a hit when within 3 percentage points. Last, the efficiency fit of
+configs/gpus.py: each precision class on the one study row named for it.
+"""
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
+import configs  # noqa: E402
+from analysis import predicted  # noqa: E402
+from configs.gpus import GPUS  # noqa: E402
+from model import families  # noqa: E402
+from runtime import setup as runtime_setup  # noqa: E402
+from trainer import target as trainer_target  # noqa: E402
+
+ROWS = [*configs.COMPARISONS["llama405b-compare"], "llama405b-searched",
+        *configs.COMPARISONS["deepseek671b-compare"]]
+# What-ifs, each one figure of configs/gpus.py changed: how much of a miss a term explains.
+WHAT_IFS = {"one NVLink domain": {"nvlink_domain": 128},
+            "host link not shared": {"host_link_gpus": 1}}
+# (what, numerator row, denominator row, the study's figure): the study's claims as ratios.
+RATIOS = [("Llama: Q/K/V offload + LHS vs baseline", "llama405b-offload", "llama405b-baseline"),
+          ("Llama: offload without LHS vs baseline", "llama405b-offload-nolhs",
+           "llama405b-baseline"),
+          ("Llama: pipelined vs LHS alone", "llama405b-offload-pipelined", "llama405b-offload"),
+          ("DeepSeek: offload + LHS + pipelining vs remat", "deepseek671b-offload",
+           "deepseek671b-remat"),
+          ("DeepSeek: the same vs offload without LHS/pipelining", "deepseek671b-offload",
+           "deepseek671b-offload-nolhs")]
+# The one study row each precision class's GEMM efficiency would be fitted on (GB200 only: the
+# study measured nothing else): the Llama rows multiply in FP4, DeepSeek's in bf16.
+FIT_ON = {"fp4": "llama405b-baseline", "bf16": "deepseek671b-offload"}
+
+
+def compiled_hlo(name: str, hlo_dir: Path | None, targets: dict) -> str:
+    if hlo_dir is not None and (hlo_dir / f"{name}.hlo").exists():
+        return (hlo_dir / f"{name}.hlo").read_text()
+    setup = runtime_setup.resolve(name, [], full=True)
+    key = (setup.run.device, setup.run.mesh.data * setup.run.mesh.fsdp)
+    if key not in targets:
+        targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
+    text = runtime_setup.build(setup, targets[key]).compiled.as_text()
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{name}.hlo").write_text(text)
+    return text
+
+
+def predict(name: str, text: str, efficiency=None, **changes) -> predicted.StepPrediction:
+    experiment = configs.get(name)
+    model, run = experiment.model, experiment.run
+    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
+    gpu = dataclasses.replace(GPUS[run.device], **changes)
+    return predicted.predict(text, gpu, run.mesh.data * run.mesh.fsdp, flops,
+                             configs.STUDY_TFLOPS.get(name), efficiency=efficiency)
+
+
+def fit(cls: str, name: str, text: str) -> str:
+    """Bisect the class's efficiency in (0, 1] until the row replays at the study's figure."""
+    gpu = GPUS[configs.get(name).run.device]
+    target = configs.STUDY_TFLOPS[name]
+    at = lambda share: predict(name, text, {**gpu.efficiency, cls: share}).tflops  # noqa: E731
+    peak = at(1.0)
+    if peak < target:
+        return (f"{cls} on {name}: cannot be fitted: at 100% of peak the replay gives "
+                f"{peak:,.0f} TFLOP/s/device, below the study's {target:,.0f}")
+    low, high = 0.01, 1.0
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (low, middle) if at(middle) > target else (middle, high)
+    return f"{cls} on {name}: {high:.3f} of peak reproduces {target:,.0f} TFLOP/s/device"
+
+
+def main(argv: list[str]) -> int:
+    hlo_dir = None
+    if "--hlo" in argv:
+        at = argv.index("--hlo")
+        hlo_dir, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
+    names = argv or ROWS
+    texts, targets, found = {}, {}, {}
+    print("| row | replayed step s | TFLOP/s/device | study | vs study | exposed collectives s "
+          "| exposed host s | critical | GEMM PFLOP | compile + replay s |")
+    print("|" + "---|" * 10)
+    for name in names:
+        started = time.perf_counter()
+        texts[name] = compiled_hlo(name, hlo_dir, targets)
+        p = found[name] = predict(name, texts[name])
+        r, study = p.result, p.study_tflops
+        host = r.exposed["to host"] + r.exposed["from host"]
+        print(f"| {name} | {r.step_s:.2f} | {p.tflops:,.0f} | "
+              f"{'-' if study is None else f'{study:,.0f}'} | "
+              f"{'-' if study is None else f'{p.tflops / study - 1:+.0%}'} | "
+              f"{r.exposed['collectives']:.2f} | {host:.2f} | {r.critical()} | "
+              f"{' '.join(f'{k} {v / 1e15:.1f}' for k, v in sorted(r.flops.items()))} | "
+              f"{time.perf_counter() - started:.0f} |", flush=True)
+    print(f"\nGEMM rates: {predicted.efficiency_words(found[names[0]])}")
+    print("\n| the study's claim | study | replayed | within 3 points |\n|---|---|---|---|")
+    for what, top, bottom in RATIOS:
+        if top in found and bottom in found:
+            study = configs.STUDY_TFLOPS[top] / configs.STUDY_TFLOPS[bottom]
+            ours = found[top].tflops / found[bottom].tflops
+            words = (lambda x: f"{x:.3f}x") if study > 1.2 else (lambda x: f"{x - 1:+.1%}")
+            print(f"| {what} | {words(study)} | {words(ours)} | "
+                  f"{'yes' if abs(ours - study) <= 0.03 else 'MISS'} |")
+    print("\nwhat-ifs (TFLOP/s/device with one figure changed):")
+    for label, changes in WHAT_IFS.items():
+        figures = [f"{n} {predict(n, texts[n], **changes).tflops:,.0f}" for n in names]
+        print(f"  {label}: " + ", ".join(figures))
+    print("\nefficiency fits (configs/gpus.py takes a figure only where a fit succeeds):")
+    for cls, name in FIT_ON.items():
+        if name in texts:
+            print(f"  {fit(cls, name, texts[name])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
