@@ -122,7 +122,7 @@ def print_compile(name: str, args: list[str]) -> None:
     print(f"xla flags: {report.flags_line(run, target)}; kernels: "
           f"{report.kernels_line(setup.model, run, built.mesh, target)}")
     print("\n".join(plan.plan_lines(name, run, built.full_plan)))
-    compiled = memory.CompiledMemory.of(built.compiled)
+    compiled = built.compiled_memory()
     print("\n".join(plan.compiled_lines(compiled, built.full_plan, gpu)))
     flops = families.of(setup.model).training_flops(setup.model, run.per_device_batch, run.seq)
     prediction = predicted.predict(built.compiled.as_text(), gpu, len(target.devices), flops,
@@ -163,7 +163,7 @@ def print_search(name: str, args: list[str]) -> None:
         replayed = predicted.predict(built.compiled.as_text(), gpu, len(target.devices), flops,
                                      configs.STUDY_TFLOPS.get(experiment))
         what = experiment if prediction.candidate.row else " ".join(overrides[len(args):])
-        found.append(search_report.Verified(prediction, memory.CompiledMemory.of(built.compiled),
+        found.append(search_report.Verified(prediction, built.compiled_memory(),
                                             replayed, what))
     print("\n".join(search_report.verified_lines(found, result.hw.capacity)))
 

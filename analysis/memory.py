@@ -52,6 +52,7 @@ class MemoryPlan:
     capacity: int  # device memory
     host_capacity: int  # host memory per device
     matrices: tuple[int, int] | None = None  # NVFP4 layer matrices: compute dtype, as NVFP4
+    optimizer_on_host: bool = False  # optimizer_state=host (trainer/host_state.py)
 
     @property
     def device_activations(self) -> int:
@@ -73,14 +74,26 @@ class MemoryPlan:
                 + self.exchange)
 
     @property
+    def device_optimizer(self) -> int:
+        return 0 if self.optimizer_on_host else self.optimizer
+
+    @property
+    def host_peak(self) -> int:
+        """Host memory a step needs at once: the offloaded activations; with the optimizer
+        state on host, the state, and its new copy written during the update, after the
+        backward pass has read (and freed) the activations."""
+        if not self.optimizer_on_host:
+            return self.host_activations
+        return self.optimizer + max(self.host_activations, self.optimizer)
+
+    @property
     def peak_estimate(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.device_activations
+        return (self.params + self.grads + self.device_optimizer + self.device_activations
                 + self.layer_working_set)
 
     @property
     def fits(self) -> bool:
-        return (self.peak_estimate <= self.capacity
-                and self.host_activations <= self.host_capacity)
+        return self.peak_estimate <= self.capacity and self.host_peak <= self.host_capacity
 
 
 def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
@@ -104,20 +117,34 @@ class CompiledMemory:
     outputs: int
     aliased: int  # outputs written over donated arguments
     temporaries: int
-    host: int  # temporaries in pinned host memory: the offloaded activations
+    host: int  # in pinned host memory: offloaded activations, the optimizer state on host
+    arrived: int = 0  # host state a compile-only program takes as device arguments
 
     @classmethod
-    def of(cls, compiled) -> "CompiledMemory":
+    def of(cls, compiled, arrived: int = 0) -> "CompiledMemory":
+        """`arrived`: the bytes of the optimizer state on host (optimizer_state=host) that a
+        program compiled for compile-only GPUs takes as device arguments (they have no memory
+        kinds): on a GPU they arrive in host memory, so they are moved from device to host."""
         stats = compiled.memory_analysis()
-        return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes,
-                   stats.alias_size_in_bytes, stats.temp_size_in_bytes,
-                   stats.host_temp_size_in_bytes)
+        host = (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
+                - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
+        return cls(stats.argument_size_in_bytes - arrived, stats.output_size_in_bytes,
+                   stats.alias_size_in_bytes, stats.temp_size_in_bytes, host, arrived)
 
     @property
     def device(self) -> int:
         """What the program holds in device memory at once. (XLA's own peak figure counts the
         host buffers too.)"""
         return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def host_state_buffers(step: TracedStep) -> set[tuple]:
+    """Per-device (shape, dtype) of the optimizer state's stacked leaves when it lives on host:
+    the host buffers of a compiled program that are not offloaded activations."""
+    if step.run.optimizer_state != "host":
+        return set()
+    return {(tuple(leaf.sharding.shard_shape(leaf.shape)), str(leaf.dtype))
+            for leaf in jax.tree.leaves(step.state["opt_state"]) if leaf.ndim > 1}
 
 
 def tag_lines(step: TracedStep, tables: dict | None,
@@ -129,7 +156,8 @@ def tag_lines(step: TracedStep, tables: dict | None,
     exported = step.exported(tables)
     in_host = None  # (scan, tag) -> the addressing proof of its host buffer
     if compiled_hlo is not None:
-        in_host = placement.compiled_host_buffers(compiled_hlo, step.moved(tables))
+        in_host = placement.compiled_host_buffers(compiled_hlo, step.moved(tables),
+                                                  host_state_buffers(step))
     tables = tables or {}
     return [TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"), (s.scan, s.tag) in step.needed,
                     (s.scan, s.tag) in exported,
@@ -156,7 +184,8 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
         residuals=per_device_residuals(step.residuals(tables), shapes, step.fsdp),
         layers=tuple(step.layers.values()), layer_weights=layer_bytes, layer_grads=layer_bytes,
         exchange=step.exchange_buffers(), capacity=capacity, host_capacity=host_capacity,
-        matrices=step.quantizable_matrices() if step.run.quant != "none" else None)
+        matrices=step.quantizable_matrices() if step.run.quant != "none" else None,
+        optimizer_on_host=step.run.optimizer_state == "host")
 
 
 def _is_spec(x) -> bool:

@@ -21,11 +21,13 @@ from collections import Counter
 
 from analysis import addressing
 from analysis.addressing import Proof
-from analysis.trace import Tagged, offloaded_in
+from analysis.trace import Tagged, moves_in, offloaded_in
+from trainer import host_state
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
-_MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
+_MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
+                "i32": "int32"}
 
 
 class PlacementError(AssertionError):
@@ -47,28 +49,33 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
     offloads to pinned host memory and brings back.
 
     The traced program names the tag behind each move to host; the lowered module must
-    hold exactly those moves (same shapes and dtypes, each out and back), no more, no fewer.
-    One trace serves both.
+    hold exactly those moves (same shapes and dtypes, each out and back), and the optimizer
+    state's (optimizer_state=host), no more, no fewer. One trace serves both.
     """
     program = fn.trace(*args)
     traced = offloaded_in(program.jaxpr.jaxpr)
-    expected = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
+    tags = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
+    state = moves_in(program.jaxpr.jaxpr, host_state.SCOPE)
     exported = annotations(program.lower(lowering_platforms=("cuda",)).as_text())
     for placement in ("pinned_host", "device"):
+        expected = tags + Counter({(shape, dtype): n for (kind, shape, dtype), n
+                                   in state.items() if kind == placement})
         if exported.get(placement, Counter()) != expected:
             raise PlacementError(
                 f"exported program has {placement} annotations {dict(exported.get(placement, {}))}"
-                f" but the traced program offloads {dict(expected)}")
+                f" but the traced program moves {dict(expected)}")
     return {(t.scan, t.tag) for sites in traced.values() for t in sites}
 
 
-def compiled_host_buffers(hlo: str, offloaded: list[Tagged]) -> dict[tuple[str, str], Proof]:
+def compiled_host_buffers(hlo: str, offloaded: list[Tagged],
+                          state: set[tuple] = frozenset()) -> dict[tuple[str, str], Proof]:
     """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose
     stack over its layers, [count, *shape], the compiled program keeps in host memory, and the
     proof that the program reads that buffer back from where it wrote it (analysis/addressing.py).
 
     A host buffer that no offloaded value accounts for is an error: the program moves
-    something no table asked for."""
+    something no table asked for. Buffers of the optimizer state's stacked moments (`state`:
+    per-device (shape, dtype), optimizer_state=host) are not activations: left out."""
     left = addressing.prove(hlo)
     found = {}
     for value in offloaded:
@@ -78,6 +85,8 @@ def compiled_host_buffers(hlo: str, offloaded: list[Tagged]) -> dict[tuple[str, 
         if match is not None:
             left.remove(match)
             found[value.scan, value.tag] = match
+    left = [p for p in left if (p.buffer.shape.dims, _MLIR_DTYPES.get(
+        p.buffer.shape.dtype, p.buffer.shape.dtype)) not in state]
     if left:
         shapes = Counter((p.buffer.shape.dims, p.buffer.shape.dtype) for p in left)
         raise PlacementError(f"the compiled program keeps buffers in host memory that no "

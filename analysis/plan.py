@@ -125,7 +125,11 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> lis
     rows = [
         ("parameters", plan.params, "master weights, FSDP shard"),
         ("gradients", plan.grads, "same sharding as the parameters"),
-        ("optimizer state", plan.optimizer, "AdamW moments, same sharding"),
+        ("optimizer state", plan.device_optimizer,
+         f"AdamW moments ({_size(plan.optimizer)}) in pinned host memory, a layer at a time "
+         f"on the device for the update: {_size(plan.optimizer)} each way over the host link "
+         "per step (optimizer_state=host)" if plan.optimizer_on_host
+         else "AdamW moments, same sharding"),
         ("activations on device", plan.device_activations,
          f"{_size(stacked)} stacked over the {' + '.join(map(str, plan.layers))} layers "
          "(layer inputs, tags kept on device), the rest after the last layer (norm, logits)"),
@@ -138,18 +142,21 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> lis
                f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}; "
                f"{memory_source(gpu)}); an estimate: NCCL scratch, cuDNN workspaces and XLA "
                "temporaries are not in a static plan")
-    out.append(f"{'host (pinned)':<23}{_size(plan.host_activations):>10}  of "
+    state = (f"; with the optimizer state ({_size(plan.optimizer)}) and its new copy, "
+             "written after the backward pass has freed the activations"
+             if plan.optimizer_on_host else "")
+    out.append(f"{'host (pinned)':<23}{_size(plan.host_peak):>10}  of "
                f"{_size(plan.host_capacity)} of host memory per GPU "
-               f"({plan.host_activations / plan.host_capacity:.0%}): offloaded activations, "
-               "stored over the whole forward pass")
+               f"({plan.host_peak / plan.host_capacity:.0%}): offloaded activations "
+               f"({_size(plan.host_activations)}), stored over the whole forward pass{state}")
     if plan.matrices:
         plain, stored = plan.matrices
         out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  the layer matrices multiplied "
                    f"in FP4 ({_size(plain)} in the compute dtype: {stored / plain:.0%}); not in "
                    "the peak: masters stay FP32, each layer is quantized as it runs")
-    if plan.host_activations > host_pool_gib * GiB:
-        need = math.ceil(plan.host_activations / GiB * 1.1)
-        out.append(f"WARNING: {_size(plan.host_activations)} of host activations per GPU exceed "
+    if plan.host_peak > host_pool_gib * GiB:
+        need = math.ceil(plan.host_peak / GiB * 1.1)
+        out.append(f"WARNING: {_size(plan.host_peak)} of host memory per GPU exceed "
                    f"XLA's pinned-host pool ({host_pool_gib:g} GiB a process): set "
                    f"{HOST_POOL_VARIABLE}={need} x the process's GPUs, or offload less")
     return out
@@ -160,7 +167,7 @@ def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
     """XLA's per-device memory of the compiled GPU program beside the static plan, and whether
     it fits the memory JAX takes and the host memory there is."""
     rows = [
-        ("arguments", compiled.arguments, plan.params + plan.optimizer,
+        ("arguments", compiled.arguments, plan.params + plan.device_optimizer,
          "the state (parameters, optimizer) and the batch; static: the state"),
         ("outputs - donated", compiled.outputs - compiled.aliased, 0,
          "outputs not written over their donated inputs"),
@@ -169,11 +176,17 @@ def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
          "XLA's buffers; static: gradients, activations on device, one layer's backward"),
         ("device total", compiled.device, plan.peak_estimate,
          "arguments + outputs - donated + temporaries"),
-        ("host (pinned)", compiled.host, plan.host_activations,
-         "stacked offload buffers in memory space S(5)"),
+        ("host (pinned)", compiled.host, plan.host_peak,
+         "buffers in memory space S(5): offloaded activations"
+         + (", the optimizer state" if plan.optimizer_on_host else "")),
     ]
     out = [f"{'per device':<20}{'compiled':>11}{'static plan':>13}"]
     out += [f"{name:<20}{_size(a):>11}{_size(b):>13}  {why}" for name, a, b, why in rows]
+    if compiled.arrived:
+        out.append(f"the optimizer state's {_size(compiled.arrived)}: compile-only GPUs have no "
+                   f"memory kinds (jax {jax.__version__}), so XLA compiled them as device "
+                   "arguments moved to host first; on a GPU they arrive in host memory: not in "
+                   "the device figures above; the compiled host figure holds that first copy")
     fits = compiled.device <= plan.capacity
     proofs = [t.addressing for t in plan.tags if t.addressing is not None]
     if wrong := [p for p in proofs if p.verdict == addressing.WRONG]:

@@ -1,7 +1,9 @@
 """Placement search: each candidate's device memory and step time, predicted without a GPU.
 
-A candidate is a micro batch (per-device batch), one placement table per layer scan and an XLA
-schedule (latency hiding scheduler on or off, pipelined host offloading on or off). Its inputs
+A candidate is a micro batch (per-device batch), one placement table per layer scan, an XLA
+schedule (latency hiding scheduler on or off, pipelined host offloading on or off) and where
+the optimizer state lives (device, or host: its moments cross the host link each way per step,
+after the backward pass, exposed). Its inputs
 come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `trace.work`)
 and from the hardware figures; nothing here traces or reads configs.
 
@@ -26,6 +28,7 @@ import itertools
 import numpy as np
 
 PLACES = ("device", "offload", "remat")
+STATES = ("device", "host")  # where the optimizer state lives between steps
 EXHAUSTIVE = 20_000  # per micro batch and schedule: search every table up to this many
 
 
@@ -58,8 +61,9 @@ class Workload:
     batch: int
     scans: tuple[Scan, ...]
     other_flops: float  # dots outside the layer scans (LM head, loss), both passes
-    fixed_bytes: int  # state, gradients, what outlives the layers, one layer's backward
+    fixed_bytes: int  # weights, gradients, what outlives the layers, one layer's backward
     model_flops: float  # MaxText's count, for TFLOP/s/device
+    state_bytes: int = 0  # the AdamW moments: on the device or in host memory, as chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,15 +92,17 @@ class Candidate:
     tables: tuple  # ((scan, ((tag, place), ...)), ...): hashable; absent tags are remat
     schedule: Schedule
     row: str = ""  # the study row it is, if any
+    optimizer_state: str = "device"  # or "host" (trainer/host_state.py)
 
     def table(self, scan: str) -> dict:
         return dict(dict(self.tables).get(scan, ()))
 
 
-def make_candidate(batch: int, tables: dict, schedule: Schedule, row: str = "") -> Candidate:
+def make_candidate(batch: int, tables: dict, schedule: Schedule, row: str = "",
+                   optimizer_state: str = "device") -> Candidate:
     frozen = tuple((s, tuple(sorted((t, p) for t, p in table.items() if p != "remat")))
                    for s, table in sorted(tables.items()))
-    return Candidate(batch, frozen, schedule, row)
+    return Candidate(batch, frozen, schedule, row, optimizer_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +204,17 @@ def predict(candidate: Candidate, work: Workload, hw: Hardware, recompute=None) 
 
 def _finish(candidate, work: Workload, hw: Hardware, terms: Terms, exact: bool) -> Prediction:
     device = work.fixed_bytes + terms.device + terms.prefetch
+    host = terms.host
+    if candidate.optimizer_state == "host":
+        # After the backward pass (its activations read and freed), each layer's moments come
+        # from host and go back, both directions at once, with little compute to hide behind.
+        host = work.state_bytes + max(terms.host, work.state_bytes)
+        terms = dataclasses.replace(terms, host_s=terms.host_s + work.state_bytes / hw.host_link)
+    else:
+        device += work.state_bytes
     step = terms.compute_s + work.other_flops / hw.rate + terms.host_s + terms.link_s
-    return Prediction(candidate, terms, device, terms.host, step,
-                      work.model_flops / step / 1e12,
-                      device <= hw.capacity and terms.host <= hw.host_capacity, exact)
+    return Prediction(candidate, terms, device, host, step, work.model_flops / step / 1e12,
+                      device <= hw.capacity and host <= hw.host_capacity, exact)
 
 
 def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
@@ -246,11 +259,11 @@ def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Predict
         for sched in schedules:
             fronts = [_front([(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
                               for t in per_scan[s.name]]) for s in work.scans]
-            for combo in itertools.product(*fronts):
+            for combo, state in itertools.product(itertools.product(*fronts), STATES):
                 tables = {s.name: t for s, (t, _) in zip(work.scans, combo)}
                 terms = sum((a for _, a in combo), Terms())
-                found.append(_finish(make_candidate(batch, tables, sched), work, hw, terms,
-                                     False))
+                found.append(_finish(make_candidate(batch, tables, sched, "", state), work, hw,
+                                     terms, False))
     return rank(found)
 
 
@@ -274,7 +287,8 @@ def pareto(predictions: list[Prediction]) -> list[Prediction]:
 
 def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
     """The `key=value` overrides that run a candidate: every placement spelled out."""
-    out = ["policy=remat", f"per_device_batch={candidate.batch}", "global_batch=0"]
+    out = ["policy=remat", f"per_device_batch={candidate.batch}", "global_batch=0",
+           f"optimizer_state={candidate.optimizer_state}"]
     for scan in scans:
         out += [f"policy.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
     sched = candidate.schedule

@@ -98,7 +98,7 @@ class Tracer:
         none, layers = step.work(None), step.layers
         remat = self.recompute(batch, self.remat)
         sites = self.tags(batch)
-        fixed = self.remat_plan(batch)
+        fixed, state = self.remat_plan(batch)
         scans = []
         for s in self.scans:
             tags = sorted(sites[s], key=lambda v: v.tag != policies.LAYER_INPUT)
@@ -115,16 +115,17 @@ class Tracer:
             fixed -= layers[s] * tags[0].nbytes  # the layer input: placed by the candidate
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
         flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
-        return search.Workload(batch, tuple(scans), other, fixed, flops)
+        return search.Workload(batch, tuple(scans), other, fixed, flops, state)
 
     @functools.cache
-    def remat_plan(self, batch: int) -> int:
-        """Peak device bytes with every tag recomputed: the static plan's arithmetic."""
+    def remat_plan(self, batch: int) -> tuple[int, int]:
+        """Peak device bytes with every tag recomputed, without the optimizer state, and the
+        optimizer state's bytes: the static plan's arithmetic."""
         step = self.step(batch)
         lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
         gpu = GPUS[self.run.device]
-        return memory.plan(step, self.remat, lines, backend.pool_bytes(gpu),
-                           gpu.host_memory).peak_estimate
+        planned = memory.plan(step, self.remat, lines, backend.pool_bytes(gpu), gpu.host_memory)
+        return planned.peak_estimate - planned.device_optimizer, planned.optimizer
 
 
 def schedule_of(run: configs.RunConfig) -> search.Schedule:
@@ -158,7 +159,7 @@ def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
     tables = policies.placement_tables(row.run.policy, row.run.placements,
                                        families.scan_tags(row.model))
     return search.make_candidate(row.run.per_device_batch, tables, schedule_of(row.run),
-                                 row.name)
+                                 row.name, row.run.optimizer_state)
 
 
 def hardware(gpu: Gpu, devices: int) -> search.Hardware:
@@ -228,6 +229,8 @@ def placement_text(candidate: search.Candidate, scans) -> str:
         kept = [t for t, p in table.items() if p == "device" and t != policies.LAYER_INPUT]
         moved = [t for t, p in table.items() if p == "offload"]
         parts.append(f"{scan}: D[{' '.join(kept)}] H[{' '.join(moved)}]")
+    if candidate.optimizer_state == "host":
+        parts.append("AdamW moments on host")
     return "; ".join(parts)
 
 

@@ -5,6 +5,7 @@ Functions here take a function and (possibly abstract) arguments, never a model.
 
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Iterator
 
 import jax
@@ -91,6 +92,22 @@ def offloaded_in(jaxpr) -> dict[str, list[Tagged]]:
         if source is not None and source.primitive.name == "name":
             aval, tag = eqn.invars[0].aval, source.params["name"]
             found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
+    return found
+
+
+def moves_in(jaxpr, scope: str, inside: bool = False) -> Counter:
+    """(memory kind "pinned_host" or "device", shape, dtype) of every value a `device_put`
+    inside named scope `scope` moves (e.g. the optimizer state's, trainer/host_state.py). A
+    sub-jaxpr's name stacks start afresh: being inside is inherited from its equation."""
+    found = Counter()
+    for eqn in jaxpr.eqns:
+        here = inside or scope in str(eqn.source_info.name_stack)
+        if here and eqn.primitive.name == "device_put":
+            for var, where in zip(eqn.invars, eqn.params["devices"]):
+                kind = "pinned_host" if "host" in str(where).lower() else "device"
+                found[kind, var.aval.shape, str(var.aval.dtype)] += 1
+        for sub in _sub_jaxprs(eqn):
+            found += moves_in(sub, scope, here)
     return found
 
 

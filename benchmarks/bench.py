@@ -63,7 +63,8 @@ def step_time(model, run, policy_name: str, repeats: int) -> float:
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     loss = trainer_build.make_loss(model, run, tables, rules=None,
                                    target=trainer_target.this_machine())
-    step = jax.jit(partial(trainer_step.train_step, loss=loss, optimizer=optimizer),
+    step = jax.jit(partial(trainer_step.train_step, loss=loss,
+                           update=trainer_step.device_update(optimizer)),
                    donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
     holder = [state]

@@ -36,7 +36,7 @@ def row(name: str, overrides: list[str], targets: dict) -> list[str]:
     if key not in targets:
         targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
     built = runtime_setup.build(setup, targets[key])
-    compiled = memory.CompiledMemory.of(built.compiled)
+    compiled = built.compiled_memory()
     static = built.full_plan
     usable = backend.pool_bytes(GPUS[run.device])
     study = STUDY_GIB.get(name)

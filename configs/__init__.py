@@ -61,6 +61,9 @@ class RunConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     compute_dtype: str = "bfloat16"  # activations and matmuls; weights are cast per layer
     param_dtype: str = "float32"  # master weights and optimizer state
+    # Where the AdamW moments live between steps: device, or host (pinned host memory,
+    # streamed through the device a layer at a time for the update: trainer/host_state.py).
+    optimizer_state: str = "device"
     mesh: MeshConfig = MeshConfig()
     policy: str = "remat"  # a preset of offload.policies, or "none" (no checkpointing)
     placements: Mapping[str, str] = dataclasses.field(default_factory=dict)  # policy.<tag>=...
@@ -208,7 +211,8 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found = list(model.problems())
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
                "quant": QUANTS, "quant_tiles": QUANT_TILES, "device": tuple(GPUS),
-               "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla")}
+               "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
+               "optimizer_state": ("device", "host")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
     if run.data.dtype not in ("uint16", "uint32"):

@@ -68,6 +68,21 @@ register(
                LLAMA31_70B, PROXY_70B, dataclasses.replace(
                    STUDY_405B, mesh=MeshConfig(fsdp=64), policy="qkv_offload", quant="none",
                    xla_flags={LHS: "true"}), PROXY_RUN),
+    # Not a study row: 70B on one 8-GPU host (scripts/slurm/h100-8gpu.sbatch). Its FP32
+    # weights, gradients and AdamW moments alone (32.9 + 32.9 + 65.7 GiB per GPU) leave 2.5
+    # GiB of an H200's pool for the activations, so the moments live in host memory (trainer/host_state.py,
+    # docs/placement.md); the activations as `make search-llama70b-8xh200` placed them (its
+    # 8th: the first whose compiled program keeps 7% of the pool free).
+    Experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW "
+               "moments in host memory, activations placed by the search", LLAMA31_70B,
+               PROXY_70B, dataclasses.replace(
+                   STUDY_405B, device="h200", mesh=MeshConfig(fsdp=8), per_device_batch=1,
+                   quant="none", policy="remat", optimizer_state="host",
+                   placements={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
+                               "layers.key_proj": "offload", "layers.value_proj": "offload",
+                               "layers.attention_out": "offload",
+                               "layers.mlpwi_1": "offload"},
+                   xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}), PROXY_RUN),
 )
 
 # The study's Llama table, row by row (make llama405b-compare).

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from analysis import memory, plan
+from analysis import plan
 from model import common, families
 from model.config import LlamaConfig
 from runtime import backend
@@ -158,7 +158,7 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
         compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
     pool = ""
     if target.platform == "gpu":
-        compiled = memory.CompiledMemory.of(built.compiled)
+        compiled = built.compiled_memory()
         fraction, variable = backend.memory_fraction()
         pool = (f"\n{'':12}the step needs {compiled.device / GiB:.1f} GiB of JAX's "
                 f"{(target.pool_bytes() or 0) / GiB:.1f} GiB pool per GPU ({variable}="

@@ -3,6 +3,7 @@ line and exit status 2), then built: the mesh, the step compiled ahead of time f
 (this machine's devices or compile-only GPUs), the full-scale plan, the state."""
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -142,6 +143,10 @@ class Built:
     compile_s: float
     full_plan: MemoryPlan  # the full-scale static plan
     run_tags: list[TagLine]  # this run's placement list, checked on its own program
+    arrived: int = 0  # host optimizer state compiled as device arguments (memory.CompiledMemory)
+
+    def compiled_memory(self) -> memory.CompiledMemory:
+        return memory.CompiledMemory.of(self.compiled, self.arrived)
 
 
 def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
@@ -152,7 +157,28 @@ def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
     mesh = common.make_mesh(run.mesh.shape(len(target.devices)), ("data", "fsdp"),
                             devices=target.devices)
-    return step_build.axis_rules(run, mesh), make_optimizer(run.optimizer, run.steps)
+    rules, optimizer = step_build.axis_rules(run, mesh), make_optimizer(run.optimizer, run.steps)
+    if run.optimizer_state == "host" and target.gpu is None:
+        check_host_state(setup, target, rules, optimizer)
+    return rules, optimizer
+
+
+def check_host_state(setup: Setup, target: Target, rules, optimizer) -> None:
+    """optimizer_state=host on this machine: its devices must have pinned host memory, and
+    the host room for the state twice over (it and its new copy, during the update)."""
+    kinds = {m.kind for m in target.devices[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ConfigError(f"optimizer_state=host: the {target.platform} backend has no "
+                          f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
+    abstract = step_build.abstract_state(setup.model, setup.run, rules, optimizer)
+    moments = memory.per_device_bytes([x for x in jax.tree.leaves(abstract["opt_state"])
+                                       if x.ndim])
+    need = 2 * moments * len(jax.local_devices())
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise ConfigError(f"optimizer_state=host: the state and its new copy need "
+                          f"{need / 2**30:.1f} GiB of host memory here, the host has "
+                          f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
 
 
 def build(setup: Setup, target: Target) -> Built:
@@ -167,15 +193,21 @@ def build(setup: Setup, target: Target) -> Built:
     compiled = step_build.compile_step(setup.model, run, setup.tables, rules, optimizer, target)
     compile_s = time.perf_counter() - started
     hlo = compiled.as_text() if target.platform == "gpu" else None
+    arrived = 0
+    if run.optimizer_state == "host" and target.gpu is not None:
+        abstract = step_build.abstract_state(setup.model, run, rules, optimizer)
+        arrived = memory.per_device_bytes([x for x in jax.tree.leaves(abstract["opt_state"])
+                                           if x.ndim])
     full = setup.experiment
     if (full.model, full.run, (full.run.mesh.data, full.run.mesh.fsdp)) == (
             setup.model, run, mesh_shape):  # this run is the full-scale one: plan it once
         full_plan = plan.full_scale(full, setup.tables, hlo)
         return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan,
-                     full_plan.tags)
+                     full_plan.tags, arrived)
     full_plan = plan.full_scale(full, setup.tables)
     run_tags = memory.tag_lines(TracedStep(setup.model, run, mesh_shape), setup.tables, hlo)
-    return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan, run_tags)
+    return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan, run_tags,
+                 arrived)
 
 
 def check_addressing(built: Built) -> None:

@@ -13,7 +13,7 @@ from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA
 from model import common, deepseek, experts, llama
 from offload import policies
 from trainer.build import axis_rules, make_loss
-from trainer.step import loss_fn, make_optimizer, train_step
+from trainer.step import device_update, loss_fn, make_optimizer, train_step
 from trainer.target import Target
 
 
@@ -24,7 +24,7 @@ def step(params, batch, rules, loss_chunks=1):
     loss = partial(loss_fn, model=SHARDED_LLAMA, policies={"layers": policy}, rules=rules,
                    dtype=jnp.float32, loss_chunks=loss_chunks)
     grads = jax.grad(loss, has_aux=True)(params, batch)
-    _, metrics = train_step(state, batch, loss=loss, optimizer=optimizer)
+    _, metrics = train_step(state, batch, loss=loss, update=device_update(optimizer))
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
     # near zero turns a rounding-level difference into one of order lr.
     return grads, metrics

@@ -12,7 +12,7 @@ from configs import OptimizerConfig
 from model import common, llama, quant
 from offload import policies
 from runtime.data import SyntheticTokens, TokenFile
-from trainer.step import loss_fn, make_optimizer, train_step
+from trainer.step import device_update, loss_fn, make_optimizer, train_step
 from conftest import SMALL, run_cli
 
 
@@ -28,7 +28,7 @@ def proxy_losses(batches, lr: float, **loss_options) -> list[float]:
                                         steps=len(batches))
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     loss = partial(loss_fn, model=cfg, rules=None, dtype=jnp.float32, **loss_options)
-    step = jax.jit(partial(train_step, loss=loss, optimizer=optimizer))
+    step = jax.jit(partial(train_step, loss=loss, update=device_update(optimizer)))
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)

@@ -11,7 +11,8 @@ from configs import ConfigError, RunConfig
 from model import common, families, quant
 from offload import policies
 from runtime.backend import explained_compile
-from trainer.step import loss_fn, train_step
+from trainer.host_state import host_update
+from trainer.step import device_update, loss_fn, optimizer_parts, train_step
 from trainer.target import Target, compiler_options, forward_options, kernel_checks
 
 
@@ -29,6 +30,9 @@ def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
                                           transform_non_params=lambda _: replicated)
+    if run.optimizer_state == "host":  # the moments; the step counts (0-d) stay on device
+        opt_shardings = jax.tree.map(lambda a, s: s.with_memory_kind("pinned_host") if a.ndim
+                                     else s, opt_state, opt_shardings)
     shapes = {"params": params, "opt_state": opt_state,
               "step": jax.ShapeDtypeStruct((), jnp.int32)}
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
@@ -71,8 +75,13 @@ def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target,
 
 def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
     """The jitted train step, its state donated."""
+    if run.optimizer_state == "host":
+        adamw = optimizer_parts(run.optimizer, run.steps)[1]
+        update = host_update(run.optimizer.clip_norm, adamw, families.of(model).SCANS)
+    else:
+        update = device_update(optimizer)
     step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
-                   optimizer=optimizer, router_bias_rate=run.router_bias_rate)
+                   update=update, router_bias_rate=run.router_bias_rate)
     return jax.jit(step, donate_argnums=0)
 
 

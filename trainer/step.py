@@ -71,10 +71,18 @@ def update_router_bias(params, expert_load, rate: float):
     return {**params, "moe_layers": {**moe, "router_bias": moe["router_bias"] + step}}
 
 
-def train_step(state, batch, *, loss, optimizer, router_bias_rate=0.0):
+def device_update(optimizer):
+    """(grads, opt_state, params) -> (params, opt_state): the whole state on the device."""
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+    return update
+
+
+def train_step(state, batch, *, loss, update, router_bias_rate=0.0):
+    """`update`: `device_update` or, for the state in host memory, trainer/host_state.py's."""
     (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    params, opt_state = update(grads, state["opt_state"], state["params"])
     metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
     if "expert_load" in aux:
         params = update_router_bias(params, aux["expert_load"], router_bias_rate)
@@ -86,14 +94,18 @@ def train_step(state, batch, *, loss, optimizer, router_bias_rate=0.0):
 
 
 def make_optimizer(cfg: OptimizerConfig, steps: int):
+    return optax.chain(*optimizer_parts(cfg, steps))
+
+
+def optimizer_parts(cfg: OptimizerConfig, steps: int):
+    """(global-norm clipping, AdamW): the optimizer is their chain."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup_steps, max(steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio)
     # No weight decay on norm weights (the usual choice for RMSNorm gains), nor on the router
     # bias, which has no gradient (Adam then moves it by exactly zero) and its own update rule.
     decay = partial(jax.tree_util.tree_map_with_path, lambda path, _: not str(
         path[-1].key).endswith(("norm", "router_bias")))
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay,
-                                   mask=decay))
+    return (optax.clip_by_global_norm(cfg.clip_norm),
+            optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay))
 
 

@@ -1,0 +1,124 @@
+"""optimizer_state=host (trainer/host_state.py): the same training to the bit as the state on
+the device, across a checkpoint; the plan, the search and the compiled GPU program that move
+its bytes to host; bad input."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import configs
+from analysis import memory, plan, search
+from analysis.search_report import placement_text
+from model import common, families
+from runtime import setup as runtime_setup
+from test_checkpoints import SMALL, assert_bit_identical, cli, losses, saved_params
+from test_gpu_compile import built_as_a_gpu_run
+from trainer import build, target as trainer_target
+
+GiB = 2**30
+ROWS = {"llama405b-offload": [], "deepseek671b-offload": ["expert_parallel=true"]}
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_the_state_on_host_trains_to_the_bit_as_on_the_device_across_a_resume(
+        name, tmp_path, capsys):
+    """Both families, sharded over 8 CPU devices (which have pinned_host memory): 4 steps with
+    the state on the device; 4 with it on host, checkpointed at 2, and steps 3-4 again from
+    there. Every loss and every final weight equal; the restored state is in host memory."""
+    args = [name, *SMALL, *ROWS[name]]
+    assert cli([*args, "checkpoint_every=4", f"out_dir={tmp_path / 'device'}"], capsys)[0] == 0
+    host = [*args, "optimizer_state=host", "checkpoint_every=2", f"out_dir={tmp_path / 'host'}"]
+    code, _, err = cli(host, capsys)
+    assert code == 0, err
+    (on_device,), (on_host,) = (tmp_path / "device").iterdir(), (tmp_path / "host").iterdir()
+    code, _, err = cli([*host, f"resume={on_host / 'checkpoints' / '2'}"], capsys)
+    assert code == 0, err
+    (resumed,) = set((tmp_path / "host").iterdir()) - {on_host}
+    assert losses(on_host) == losses(on_device) and list(losses(on_device)) == [1, 2, 3, 4]
+    assert losses(resumed) == {k: v for k, v in losses(on_device).items() if k > 2}
+    setup = runtime_setup.resolve(name, [*SMALL, *ROWS[name], "optimizer_state=host"],
+                                  jax.devices())
+    like = common.abstract_params(families.of(setup.model).param_specs(setup.model))
+    final = saved_params(on_device / "checkpoints" / "4", like)
+    for run in (on_host, resumed):
+        assert_bit_identical(saved_params(run / "checkpoints" / "4", like), final)
+
+    target = trainer_target.this_machine()
+    state, step = runtime_setup.start_state(
+        dataclasses.replace(setup, resume=runtime_setup.checkpoints.find(str(resumed), "", "")),
+        target)
+    kinds = {(x.ndim > 0, x.sharding.memory_kind) for x in jax.tree.leaves(state["opt_state"])}
+    assert step == 4 and kinds == {(True, "pinned_host"), (False, "device")}
+
+
+def test_70b_on_one_h200_host_fits_only_with_the_state_on_host():
+    """Llama 3.1 70B, FSDP 8 on H200s: FP32 weights, gradients and moments alone leave less
+    than 2% of the pool; with the moments on host the plan fits, and the host line holds them
+    twice."""
+    experiment = configs.get("llama70b-8xh200")
+    tables = runtime_setup.placement_tables(experiment.model, experiment.run)
+    on_host = plan.full_scale(experiment, tables)
+    device_run = dataclasses.replace(experiment.run, optimizer_state="device")
+    on_device = plan.full_scale(dataclasses.replace(experiment, run=device_run), tables)
+    specs = families.of(experiment.model).param_specs(experiment.model)
+    moments = 2 * 4 * common.param_count(specs) / 8
+    assert on_host.optimizer == on_device.optimizer == pytest.approx(moments, abs=64)
+    assert on_device.peak_estimate - on_host.peak_estimate == on_device.optimizer
+    assert on_host.host_peak == on_host.optimizer + max(on_host.host_activations,
+                                                        on_host.optimizer)
+    assert on_host.fits and not on_device.fits
+    assert on_device.params + on_device.grads + on_device.optimizer > 0.98 * on_device.capacity
+
+
+def test_the_compiled_gpu_program_writes_the_moments_to_host():
+    """Compile-only H200s: the step's outputs in host memory are exactly the moments (its
+    arguments arrive on the device there: no memory kinds), the activations still offloaded
+    and read back right, and the figures the report gives move the moments off the device."""
+    built = built_as_a_gpu_run("llama70b-8xh200", ["model.n_layers=2"])
+    stats = built.compiled.memory_analysis()
+    setup = runtime_setup.resolve("llama70b-8xh200", ["model.n_layers=2"], built.target.devices)
+    state = build.abstract_state(setup.model, setup.run, built.rules, built.optimizer)
+    moments = memory.per_device_bytes([x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
+    assert built.arrived == moments
+    assert stats.host_output_size_in_bytes == moments
+    compiled = built.compiled_memory()
+    assert compiled.arguments == stats.argument_size_in_bytes - moments
+    offloaded = {line.value.tag for line in built.run_tags if line.in_host_memory}
+    assert offloaded == {"query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_1"}
+    assert all(line.addressing.holds for line in built.run_tags if line.in_host_memory)
+
+
+def test_the_search_weighs_the_state_placement():
+    """The same tables with the state on host: its bytes leave the device for the host (held
+    twice there, or beside the activations), and its transfer each way is added, exposed."""
+    scan = search.Scan("layers", 4, (search.Tag("decoder_layer_input", 10, 0, 0, 0),
+                                     search.Tag("query_proj", 30, 0.2, 1e9, 0)),
+                       4e12, 8e12, 1e12, 0, 0, 100)
+    work = search.Workload(1, (scan,), 0.0, 1000, 1e13, state_bytes=400)
+    hw = search.Hardware("test", 1e15, 1e11, 1e2, 8, 10**6, 10**6)
+    found = search.search({1: work}, hw, [search.Schedule(True)])
+    by_state = {}
+    for p in found:
+        by_state.setdefault((p.candidate.tables, p.candidate.optimizer_state), p)
+    for (tables, state), p in by_state.items():
+        if state == "device":
+            continue
+        twin = by_state[tables, "device"]
+        assert twin.device_bytes - p.device_bytes == 400
+        assert p.host_bytes == 400 + max(twin.host_bytes, 400)
+        assert p.step_s - twin.step_s == pytest.approx(400 / 1e2)
+    assert "AdamW moments on host" in placement_text(p.candidate, ["layers"])
+    assert "optimizer_state=host" in search.overrides(p.candidate, ["layers"])
+
+
+def test_bad_state_placements_are_one_line(tmp_path, capsys):
+    code, _, err = cli(["llama405b-offload", *SMALL, "optimizer_state=disk",
+                        f"out_dir={tmp_path}"], capsys)
+    assert code == 2 and "optimizer_state='disk': choose one of device, host" in err
+    # 70B's moments on 8 CPU devices: twice 66 GiB per device, more than any host here.
+    full_width = [f"model.{k}={v}" for k, v in dataclasses.asdict(
+        configs.get("llama70b-8xh200").model).items() if isinstance(v, int)]
+    code, _, err = cli(["llama70b-8xh200", "seq=32", *full_width, f"out_dir={tmp_path}"], capsys)
+    assert code == 2 and "optimizer_state=host: the state and its new copy need" in err
+    assert len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
