@@ -26,7 +26,7 @@ import time
 import jax
 
 import configs
-from analysis import memory, plan, predicted, search_report
+from analysis import plan, predicted, search_report
 from configs import ConfigError
 from configs.gpus import GPUS
 from hf.safetensors import CheckpointError

@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
 import configs  # noqa: E402
 from configs.gpus import GPUS  # noqa: E402
-from analysis import memory  # noqa: E402
 from runtime import setup as runtime_setup  # noqa: E402
 from trainer import target as trainer_target  # noqa: E402
 

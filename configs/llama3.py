@@ -70,9 +70,10 @@ register(
                    xla_flags={LHS: "true"}), PROXY_RUN),
     # Not a study row: 70B on one 8-GPU host (scripts/slurm/h100-8gpu.sbatch). Its FP32
     # weights, gradients and AdamW moments alone (32.9 + 32.9 + 65.7 GiB per GPU) leave 2.5
-    # GiB of an H200's pool for the activations, so the moments live in host memory (trainer/host_state.py,
-    # docs/placement.md); the activations as `make search-llama70b-8xh200` placed them (its
-    # 8th: the first whose compiled program keeps 7% of the pool free).
+    # GiB of an H200's pool for the activations, so the moments live in host memory
+    # (trainer/host_state.py, docs/optimizer_state.md); the activations as
+    # `make search-llama70b-8xh200` placed them (its 8th: the first whose compiled program
+    # keeps 7% of the pool free).
     Experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW "
                "moments in host memory, activations placed by the search", LLAMA31_70B,
                PROXY_70B, dataclasses.replace(
