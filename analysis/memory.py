@@ -27,6 +27,12 @@ def per_device_bytes(tree) -> int:
     return total
 
 
+def moment_bytes(opt_state) -> int:
+    """Per device, the optimizer state's moments (its leaves but the 0-d step counts): what
+    optimizer_state=host keeps in host memory."""
+    return per_device_bytes([x for x in jax.tree.leaves(opt_state) if x.ndim])
+
+
 @dataclasses.dataclass(frozen=True)
 class TagLine:
     """One tag of the per-device, per-layer program, with its placement."""

@@ -171,8 +171,7 @@ def check_host_state(setup: Setup, target: Target, rules, optimizer) -> None:
         raise ConfigError(f"optimizer_state=host: the {target.platform} backend has no "
                           f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
     abstract = step_build.abstract_state(setup.model, setup.run, rules, optimizer)
-    moments = memory.per_device_bytes([x for x in jax.tree.leaves(abstract["opt_state"])
-                                       if x.ndim])
+    moments = memory.moment_bytes(abstract["opt_state"])
     need = 2 * moments * len(jax.local_devices())
     have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > have:
@@ -196,8 +195,7 @@ def build(setup: Setup, target: Target) -> Built:
     arrived = 0
     if run.optimizer_state == "host" and target.gpu is not None:
         abstract = step_build.abstract_state(setup.model, run, rules, optimizer)
-        arrived = memory.per_device_bytes([x for x in jax.tree.leaves(abstract["opt_state"])
-                                           if x.ndim])
+        arrived = memory.moment_bytes(abstract["opt_state"])
     full = setup.experiment
     if (full.model, full.run, (full.run.mesh.data, full.run.mesh.fsdp)) == (
             setup.model, run, mesh_shape):  # this run is the full-scale one: plan it once
