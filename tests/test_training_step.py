@@ -1,7 +1,10 @@
 """The optimizer step and the router-bias update, each against its definition: AdamW's
-decoupled weight decay and its mask, the warmup + cosine schedule, DeepSeek-V3's bias rule."""
+decoupled weight decay and its mask, the warmup + cosine schedule, DeepSeek-V3's bias rule;
+and the trainer's whole step, number for number, against a float64 reference written from
+those definitions (tests/reference_step.py)."""
 
-import math
+import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +12,15 @@ import numpy as np
 import optax
 import pytest
 
+import configs
 from configs import OptimizerConfig
-from conftest import SHARDED_DEEPSEEK, TINY_LLAMA
+import reference_step
+from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA, TINY_LLAMA, one_device_params, tokens
 from model import common, deepseek, llama
-from trainer.step import make_optimizer, update_router_bias
+from model.config import DeepSeekConfig
+from runtime import setup as runtime_setup
+from trainer import build, target as trainer_target
+from trainer.step import loss_fn, make_optimizer, update_router_bias
 
 
 # Kept out of weight decay (the RMSNorm gains; the router bias has its own update rule).
@@ -60,24 +68,18 @@ def test_a_zero_gradient_step_decays_every_matrix_and_nothing_else(family, model
 
 def test_the_learning_rate_warms_up_then_decays_by_a_cosine():
     """The rate of each step, read off the decay of a weight under zero gradients, against the
-    formula: linear from 0 to the peak over the warmup, then a cosine to min_lr_ratio x peak
-    at the end of the run."""
-    peak, floor, warmup, steps, decay = 0.5, 0.1, 4, 12, 0.5
-    optimizer = make_optimizer(OptimizerConfig(
-        lr=peak, warmup_steps=warmup, min_lr_ratio=floor, weight_decay=decay), steps=steps)
-    history = zero_gradient_steps({"w": jnp.ones((2, 2))}, optimizer, steps)
+    formula (tests/reference_step.py): linear from 0 to the peak over the warmup, then a
+    cosine to min_lr_ratio x peak at the end of the run."""
+    peak, warmup, steps, decay = 0.5, 4, 12, 0.5
+    cfg = OptimizerConfig(lr=peak, warmup_steps=warmup, min_lr_ratio=0.1, weight_decay=decay)
+    history = zero_gradient_steps({"w": jnp.ones((2, 2))}, make_optimizer(cfg, steps), steps)
     rates = [float((a["w"][0, 0] - b["w"][0, 0]) / (decay * a["w"][0, 0]))
              for a, b in zip(history, history[1:])]
-
-    def formula(t):
-        if t < warmup:
-            return peak * t / warmup
-        cosine = 0.5 * (1 + math.cos(math.pi * (t - warmup) / (steps - warmup)))
-        return peak * floor + (peak - peak * floor) * cosine
-
     assert rates[0] == 0  # the first step moves nothing: warmup starts at 0
     assert rates[warmup] == pytest.approx(peak, rel=1e-5)
-    np.testing.assert_allclose(rates, [formula(t) for t in range(steps)], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        rates, [reference_step.learning_rate(cfg, steps, t) for t in range(steps)],
+        rtol=1e-5, atol=1e-7)
 
 def test_the_router_bias_moves_against_each_layers_own_mean_load():
     """DeepSeek-V3's update, layer by layer: b += rate x sign(mean load of the layer - load).
@@ -92,3 +94,107 @@ def test_the_router_bias_moves_against_each_layers_own_mean_load():
         for expert in range(load.shape[1]):
             want[layer, expert] += 0.01 * np.sign(mean - load[layer, expert])
     np.testing.assert_allclose(moved["moe_layers"]["router_bias"], want, atol=1e-7)
+
+
+# The run's hyperparameters, none at its default, so that each wired to the wrong place shows:
+# a peak rate of 0.02 (updates of a few % of the weights' scale), 2 warmup steps then a cosine
+# over 2 more, and a clip norm (per model) that the first 3 steps' gradient norms exceed and
+# the 4th's does not.
+STEPS = 4
+REFERENCE_RUN = configs.RunConfig(
+    compute_dtype="float32", steps=STEPS, router_bias_rate=0.003, balance_loss_weight=0.01,
+    optimizer=OptimizerConfig(lr=0.02, warmup_steps=2, min_lr_ratio=0.3, b1=0.8, b2=0.9,
+                              weight_decay=0.25))
+TRAINERS = {  # model, clip norm, run: an offload policy; the MoE model's experts exchanged
+    "llama": (SHARDED_LLAMA, 1.5, {"policy": "qkv_offload"}),
+    "llama-host-state": (SHARDED_LLAMA, 1.5, {"policy": "qkv_offload",
+                                              "optimizer_state": "host"}),
+    "deepseek": (SHARDED_DEEPSEEK, 2.0, {"policy": "dsv3_offload", "expert_parallel": True}),
+}
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_the_trainers_steps_are_a_float64_reference_written_from_the_formulas(name):
+    """4 steps of the trainer's jitted step (float32, FSDP over 8 devices, activations
+    offloaded) against tests/reference_step.py: the same updates in numpy float64 from their
+    definitions, on float64 gradients of the reference's own parameters. After every step, each
+    parameter's change since the start and each moment equal the reference's to 2e-4 of their
+    norm: float32 gradients differ from float64 ones by ~1e-6 of their scale, which Adam's
+    division by each element's own gradient size amplifies in the few elements whose gradient
+    is tiny (measured: at most 4e-5 of a leaf's update norm, the DeepSeek embedding; moments
+    3e-6). A constant, rate or order wired wrongly moves a whole leaf by 1e-2 of it or more.
+    The first step's rate is 0 (warmup from 0): no parameter moves but the router bias."""
+    model, clip_norm, changes = TRAINERS[name]
+    run = dataclasses.replace(REFERENCE_RUN, optimizer=dataclasses.replace(
+        REFERENCE_RUN.optimizer, clip_norm=clip_norm), **changes)
+    params = one_device_params(model)
+    batches = [np.asarray(tokens(model, batch=8, seq=17, seed=s)) for s in range(STEPS)]
+    got, gradients = trainer_steps(model, run, params, batches), float64_gradients(model, run,
+                                                                                  params)
+    start = flat(params)
+    want = {"params": start, "mu": {k: 0 * v for k, v in start.items()},
+            "nu": {k: 0 * v for k, v in start.items()}, "t": 0}
+    clipped = []
+    for t, (batch, state) in enumerate(zip(batches, got)):
+        grads, load = gradients(want["params"], batch)
+        clipped.append(reference_step.clip_scale(grads, run.optimizer.clip_norm) < 1)
+        want = reference_step.reference_step(want, grads, load, run.optimizer, run.steps,
+                                             run.router_bias_rate)
+        for part in ("params", "mu", "nu"):
+            for key, value in want[part].items():
+                change = value - (start[key] if part == "params" else 0)
+                error = np.linalg.norm(state[part][key] - value)
+                assert error <= 2e-4 * np.linalg.norm(change), (
+                    f"step {t} {part} {key}: |trainer - reference| {error:.3g}, "
+                    f"|reference| {np.linalg.norm(change):.3g}")
+    assert clipped == [True, True, True, False]
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """{"moe_layers/router_bias": float64 array, ...}"""
+    return {"/".join(k.key for k in path): np.asarray(leaf, np.float64)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def float64_gradients(model, run, like):
+    """(flat params, batch) -> (flat gradients, expert load or None), params nested as `like`:
+    the project's loss
+    differentiated in float64, on one device, with no checkpointing and every expert computed
+    densely (each checked against those of the trainer's path: tests/test_invariances.py,
+    tests/test_sharding.py)."""
+    options = {"expert_path": "dense"} if isinstance(model, DeepSeekConfig) else {}
+    loss = partial(loss_fn, model=model, policies=None, rules=None, dtype=jnp.float64,
+                   balance_weight=run.balance_loss_weight, **options)
+
+    def gradients(params, batch):
+        with jax.enable_x64(True):
+            params = jax.tree.unflatten(jax.tree.structure(like),
+                                        [jnp.asarray(a, jnp.float64) for a in params.values()])
+            (_, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+                params, jnp.asarray(batch))
+            load = aux.get("expert_load")
+            return flat(grads), None if load is None else np.asarray(load, np.float64)
+    return gradients
+
+
+def trainer_steps(model, run, params, batches):
+    """The trainer's own jitted step (trainer/build.py) over 8 CPU devices, FSDP: the state
+    after each batch."""
+    mesh = common.make_mesh(run.mesh.shape(8), ("data", "fsdp"), devices=jax.devices())
+    rules, optimizer = build.axis_rules(run, mesh), make_optimizer(run.optimizer, run.steps)
+    shardings = jax.tree.map(lambda a: a.sharding,
+                             build.abstract_state(model, run, rules, optimizer))
+    params = jax.device_put(jax.tree.map(np.asarray, params), shardings["params"])  # (donated)
+    state = {"params": params, "opt_state": jax.jit(
+        optimizer.init, out_shardings=shardings["opt_state"])(params),
+        "step": jnp.zeros((), jnp.int32)}
+    tables = runtime_setup.placement_tables(model, run)
+    step = build.make_step(model, run, tables, rules, optimizer, trainer_target.this_machine())
+    history = []
+    for batch in batches:
+        state, _ = step(state, jax.device_put(batch, build.abstract_batch(
+            run, rules, 8).sharding))
+        history.append({"params": flat(state["params"]),
+                        "mu": flat(optax.tree.get(state["opt_state"], "mu")),
+                        "nu": flat(optax.tree.get(state["opt_state"], "nu"))})
+    return history
