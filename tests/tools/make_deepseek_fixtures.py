@@ -2,7 +2,8 @@
 
 Each fixture is a tiny random `transformers.DeepseekV3ForCausalLM` checkpoint
 (config.json + safetensors) together with `expected.npz`, which holds the
-input tokens, HF's float32 logits for them and HF's causal-LM loss. The
+input tokens, HF's float32 logits for them, HF's causal-LM loss and HF's
+logits with the checkpoint loaded in bfloat16 (`logits_bfloat16`). The
 tests load the checkpoint into the JAX model and compare against these
 numbers, so they need neither torch nor transformers.
 
@@ -18,8 +19,8 @@ Only regenerating the fixtures needs torch and transformers:
     /tmp/fixvenv/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
     /tmp/fixvenv/bin/python tests/tools/make_deepseek_fixtures.py
 
-The output is deterministic (fixed seeds, CPU, float32, eager attention,
-eager experts).
+The output is deterministic (fixed seeds, CPU, float32 and then bfloat16,
+eager attention, eager experts).
 """
 
 import json
@@ -409,8 +410,26 @@ def save_expected_outputs(
         tokens=tokens.numpy().astype(np.int32),
         logits=logits,
         loss=loss,
+        logits_bfloat16=bfloat16_logits(out_dir, tokens),
     )
     return out.logits, {"max_abs_logit": float(np.abs(logits).max()), "loss": float(loss)}
+
+
+@torch.no_grad()
+def bfloat16_logits(out_dir: Path, tokens: torch.Tensor) -> np.ndarray:
+    """HF's logits for `tokens` with the saved checkpoint loaded in bfloat16, as float32.
+
+    Loaded as transformers loads a bf16 model (`from_pretrained(dtype=torch.bfloat16)`):
+    every weight and activation in bf16 but the router, whose weight and correction bias
+    transformers keeps in float32 (`_keep_in_fp32_modules_strict`) and routes with in
+    float32; RMSNorm statistics, RoPE angles and the attention softmax in float32 inside
+    HF's modules. Not `model.to(torch.bfloat16)`, which would also round the router and the
+    RoPE inverse frequencies (a buffer) to bf16.
+    """
+    model = DeepseekV3ForCausalLM.from_pretrained(
+        out_dir, dtype=torch.bfloat16, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    return model(input_ids=tokens).logits.float().numpy()
 
 
 def build_fixture(fx: Fixture) -> None:

@@ -2,7 +2,8 @@
 
 Each fixture is a tiny random `transformers.LlamaForCausalLM` checkpoint
 (config.json + safetensors) together with `expected.npz`, which holds the
-input tokens, HF's float32 logits for them and HF's causal-LM loss. The
+input tokens, HF's float32 logits for them, HF's causal-LM loss and HF's
+logits with the checkpoint loaded in bfloat16 (`logits_bfloat16`). The
 tests load the checkpoint into the JAX model and compare against these
 numbers, so they need neither torch nor transformers.
 
@@ -12,7 +13,8 @@ Only regenerating the fixtures needs torch and transformers:
     /tmp/fixvenv/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
     /tmp/fixvenv/bin/python tests/tools/make_hf_fixtures.py
 
-The output is deterministic (fixed seeds, CPU, float32, eager attention).
+The output is deterministic (fixed seeds, CPU, float32 and then bfloat16, eager
+attention).
 """
 
 import json
@@ -173,8 +175,24 @@ def save_expected_outputs(
         tokens=tokens.numpy().astype(np.int32),
         logits=logits,
         loss=loss,
+        logits_bfloat16=bfloat16_logits(out_dir, tokens),
     )
     return {"max_abs_logit": float(np.abs(logits).max()), "loss": float(loss)}
+
+
+@torch.no_grad()
+def bfloat16_logits(out_dir: Path, tokens: torch.Tensor) -> np.ndarray:
+    """HF's logits for `tokens` with the saved checkpoint loaded in bfloat16, as float32.
+
+    Loaded as transformers loads a bf16 model (`from_pretrained(dtype=torch.bfloat16)`):
+    every weight and activation in bf16, RMSNorm statistics, RoPE angles and the attention
+    softmax in float32 inside HF's modules. Not `model.to(torch.bfloat16)`, which would also
+    round the RoPE inverse frequencies (a buffer, kept float32 by loading) to bf16.
+    """
+    model = LlamaForCausalLM.from_pretrained(
+        out_dir, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    return model(input_ids=tokens).logits.float().numpy()
 
 
 def build_fixture(fx: Fixture) -> None:
