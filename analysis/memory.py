@@ -59,6 +59,7 @@ class MemoryPlan:
     host_capacity: int  # host memory per device
     matrices: tuple[int, int] | None = None  # NVFP4 layer matrices: compute dtype, as NVFP4
     optimizer_on_host: bool = False  # optimizer_state=host (trainer/host_state.py)
+    transposed_weights: int = 0  # stacked weights XLA copies for the whole step (plan())
 
     @property
     def device_activations(self) -> int:
@@ -95,7 +96,7 @@ class MemoryPlan:
     @property
     def peak_estimate(self) -> int:
         return (self.params + self.grads + self.device_optimizer + self.device_activations
-                + self.layer_working_set)
+                + self.layer_working_set + self.transposed_weights)
 
     @property
     def fits(self) -> bool:
@@ -191,7 +192,28 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
         layers=tuple(step.layers.values()), layer_weights=layer_bytes, layer_grads=layer_bytes,
         exchange=step.exchange_buffers(), capacity=capacity, host_capacity=host_capacity,
         matrices=step.quantizable_matrices() if step.run.quant != "none" else None,
-        optimizer_on_host=step.run.optimizer_state == "host")
+        optimizer_on_host=step.run.optimizer_state == "host",
+        transposed_weights=transposed_weights(step))
+
+
+def transposed_weights(step: TracedStep) -> int:
+    """Per device, the layer scans' stacked weights XLA keeps a second, transposed copy of,
+    from before the forward loop to the end of the backward loop: those whose FSDP-sharded
+    axis is not their first per-layer axis (Llama's and DeepSeek's wo and w_down, sharded on
+    their output axis). A layer's all-gather concatenates its major axis, so XLA lays the
+    whole stack out with the sharded axis first, once (a `wrapped_transpose` of the parameter
+    in the compiled program, of its bytes exactly; tests/test_plan_terms.py). On one device
+    nothing is gathered, and nothing copied."""
+    if step.fsdp == 1:
+        return 0
+    copied = []
+    for scan in step.scans:
+        for leaf in step.state["params"][scan].values():
+            spec = tuple(leaf.sharding.spec) + (None,) * leaf.ndim
+            sharded = [i for i in range(1, leaf.ndim) if spec[i] is not None]
+            if sharded and np.prod(leaf.shape[1:sharded[0]]) > 1:
+                copied.append(leaf)
+    return per_device_bytes(copied)
 
 
 def _is_spec(x) -> bool:

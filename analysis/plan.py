@@ -136,6 +136,8 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> lis
         ("one layer's backward", plan.layer_working_set,
          "its tagged values, its gathered weights x2, its unreduced gradients"
          + (f", expert exchange blocks {_size(plan.exchange)}" if plan.exchange else "")),
+        ("transposed weights", plan.transposed_weights,
+         "XLA's copy, for the whole step, of the stacked weights FSDP shards on a later axis"),
     ]
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows]
     out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
@@ -172,8 +174,10 @@ def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
         ("outputs - donated", compiled.outputs - compiled.aliased, 0,
          "outputs not written over their donated inputs"),
         ("temporaries", compiled.temporaries,
-         plan.grads + plan.device_activations + plan.layer_working_set,
-         "XLA's buffers; static: gradients, activations on device, one layer's backward"),
+         plan.grads + plan.device_activations + plan.layer_working_set
+         + plan.transposed_weights,
+         "XLA's buffers; static: gradients, activations on device, one layer's backward, "
+         "transposed weights"),
         ("device total", compiled.device, plan.peak_estimate,
          "arguments + outputs - donated + temporaries"),
         ("host (pinned)", compiled.host, plan.host_peak,

@@ -72,8 +72,8 @@ register(
     # weights, gradients and AdamW moments alone (32.9 + 32.9 + 65.7 GiB per GPU) leave 2.5
     # GiB of an H200's pool for the activations, so the moments live in host memory
     # (trainer/host_state.py, docs/optimizer_state.md); the activations as
-    # `make search-llama70b-8xh200` placed them (its 8th: the first whose compiled program
-    # keeps 7% of the pool free).
+    # `make search-llama70b-8xh200` placed them (its 2nd, as fast by its model as the 1st,
+    # whose compiled program keeps only 5% of the pool free; this one 7%).
     Experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW "
                "moments in host memory, activations placed by the search", LLAMA31_70B,
                PROXY_70B, dataclasses.replace(
