@@ -299,6 +299,12 @@ def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
     return Proof(buffer, CHECKED, f"read back layer {layers - 1} first: checked")
 
 
+def accesses(hlo: str) -> list[Access]:
+    """Every read and write of an optimized GPU program's stacked host buffers, as it runs
+    them (CannotVerify where it holds what the interpreter does not follow)."""
+    return _Interpreter(parse_module(hlo)).run()
+
+
 def prove(hlo: str) -> list[Proof]:
     """A verdict per stacked host buffer of an optimized GPU program (its HLO text)."""
     module = parse_module(hlo)

@@ -2,6 +2,7 @@
 from XLA's target specs): every experiment row through the builder a GPU run uses, and what
 XLA really does with the offloads, against the study's tables (tests/test_study.py)."""
 
+import collections
 import functools
 import json
 import os
@@ -15,9 +16,10 @@ import pytest
 
 import configs
 import train
-from analysis import hlo, memory, replay, trace
+from analysis import addressing, hlo, memory, replay, trace
 from analysis.traced import TracedStep
 from configs.gpus import GPUS
+from configs.llama3 import PIPELINED
 from model import common
 from model.config import DeepSeekConfig
 from runtime import backend, report
@@ -274,6 +276,28 @@ def test_the_no_lhs_rows_compile_without_the_latency_hiding_scheduler():
         assert len(lhs.kernels_between(stream)) == len(none.kernels_between(stream)) == 3
         assert min(lhs.kernels_between(stream)) >= 1
         assert max(none.kernels_between(stream)) == 0
+
+
+PIPELINED_ROWS = sorted(name for name, e in configs.EXPERIMENTS.items()
+                        if e.run.xla_flags.get(PIPELINED) == "true")
+
+
+@pytest.mark.parametrize("name", PIPELINED_ROWS)
+def test_the_pipelined_rows_fetch_each_host_buffers_first_layer_before_its_loop(name):
+    """Each row that sets xla_gpu_enable_pipelined_host_offloading, compiled for its GPUs as
+    it is and, the same step, with the flag off: with it XLA peels one write and one read of
+    every offloaded buffer out of the layer loops (the first layer's fetch is issued before
+    the backward loop starts, each next one from the iteration before); without it every
+    host access is inside a loop."""
+    family = "deepseek" if isinstance(configs.get(name).model, DeepSeekConfig) else "llama"
+    outside = {}
+    for flag in ("true", "false"):
+        built = built_as_a_gpu_run(name, [*FEWER_LAYERS[family], f"xla_flags.{PIPELINED}={flag}"])
+        outside[flag] = collections.Counter()  # (buffer, write) -> accesses outside loops
+        for access in addressing.accesses(built.compiled.as_text()):
+            outside[flag][access.buffer.name, access.write] += not access.loops
+    assert outside["true"] and set(outside["true"].values()) == {1}
+    assert outside["false"] and set(outside["false"].values()) == {0}
 
 
 def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():

@@ -158,10 +158,9 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 def float64_gradients(model, run, like):
     """(flat params, batch) -> (flat gradients, expert load or None), params nested as `like`:
-    the project's loss
-    differentiated in float64, on one device, with no checkpointing and every expert computed
-    densely (each checked against those of the trainer's path: tests/test_invariances.py,
-    tests/test_sharding.py)."""
+    the project's loss differentiated in float64, on one device, with no checkpointing and
+    every expert computed densely (each checked against the trainer's path:
+    tests/test_invariances.py, tests/test_sharding.py)."""
     options = {"expert_path": "dense"} if isinstance(model, DeepSeekConfig) else {}
     loss = partial(loss_fn, model=model, policies=None, rules=None, dtype=jnp.float64,
                    balance_weight=run.balance_loss_weight, **options)
@@ -184,7 +183,8 @@ def trainer_steps(model, run, params, batches):
     rules, optimizer = build.axis_rules(run, mesh), make_optimizer(run.optimizer, run.steps)
     shardings = jax.tree.map(lambda a: a.sharding,
                              build.abstract_state(model, run, rules, optimizer))
-    params = jax.device_put(jax.tree.map(np.asarray, params), shardings["params"])  # (donated)
+    # Copies: the step donates its state, and the caller's `params` start the reference.
+    params = jax.device_put(jax.tree.map(np.asarray, params), shardings["params"])
     state = {"params": params, "opt_state": jax.jit(
         optimizer.init, out_shardings=shardings["opt_state"])(params),
         "step": jnp.zeros((), jnp.int32)}
