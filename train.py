@@ -96,6 +96,14 @@ def loop(setup: Setup, built, state, done: int, log, saver, stop) -> int | None:
     return run.steps if unread is None or log.finished(*unread) else None
 
 
+def check_out_dir(setup: Setup) -> None:
+    """out_dir for a mode that writes into it (`--compile`, `--search`'s picture), checked as
+    a run checks it (checkpoints.check_outputs), before anything is traced or compiled. These
+    modes neither checkpoint nor resume: checkpoint_dir and resume are not theirs to check."""
+    run = dataclasses.replace(setup.run, checkpoint_dir="", resume="")
+    checkpoints.check_outputs(dataclasses.replace(setup, run=run), 0)
+
+
 def print_plan(name: str, args: list[str]) -> None:
     """The experiment's full-scale memory plan and placement list (overrides applied)."""
     setup = resolve(name, args, full=True)
@@ -112,9 +120,10 @@ def print_compile(name: str, args: list[str]) -> None:
     the step's time replayed from the compiled schedule (into a run folder: compiled.json,
     timeline.json)."""
     setup = resolve(name, args, full=True)
+    check_out_dir(setup)
     run = setup.run
     gpu = GPUS[run.device]
-    target = compile_only(gpu, run.mesh.data * run.mesh.fsdp)
+    target = compile_only(gpu, run.mesh.devices)
     built = build(setup, target)
     print(f"compiled: {name} at full scale for {target.description}, topology "
           f"{gpu.topology(len(target.devices))}, mesh {dict(built.mesh.shape)}, "
@@ -128,6 +137,8 @@ def print_compile(name: str, args: list[str]) -> None:
     prediction = predicted.predict(built.compiled.as_text(), gpu, len(target.devices), flops,
                                    configs.STUDY_TFLOPS.get(name), keep_slices=True)
     print("\n".join(predicted.lines(prediction)))
+    print(predicted.exchange_line(predicted.exchange_groups(
+        built.compiled.as_text(), gpu, [d.id for d in built.mesh.devices.flat])))
     if jax.process_index() == 0:
         folder = report.new_run_dir(run.out_dir, f"{name}-compile")
         predicted.write(prediction, compiled, built.full_plan, folder, name)
@@ -141,6 +152,8 @@ def print_search(name: str, args: list[str]) -> None:
     through `build` and ranks them by the replay of their compiled programs."""
     args, options = search_report.split_options(args)
     setup = resolve(name, args, full=True)
+    if options["plot"] != "off":
+        check_out_dir(setup)
     result = search_report.run_search(setup.experiment, options, time.perf_counter)
     print("\n".join(search_report.report_lines(result, int(options["top"]))))
     if options["plot"] != "off" and jax.process_index() == 0:  # one picture per launch
@@ -148,7 +161,7 @@ def print_search(name: str, args: list[str]) -> None:
     if not (verify := int(options["verify"])):
         return
     gpu, run = GPUS[setup.run.device], setup.run
-    target = compile_only(gpu, run.mesh.data * run.mesh.fsdp)
+    target = compile_only(gpu, run.mesh.devices)
     rows = {tuple(search_report.run_overrides(p, setup.model)) for p in result.rows}
     todo = [(p, name, [*args, *search_report.run_overrides(p, setup.model)])
             for p in result.ranked[:verify]

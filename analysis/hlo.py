@@ -215,6 +215,19 @@ def parse_module(text: str) -> Module:
     return Module(computations, scheduled)
 
 
+def wrapped(module: "Module", instruction: Instruction) -> Instruction:
+    """The instruction that does the work: for a generic async start (an all-to-all is issued
+    that way), the root of the computation it wraps, which has the attributes."""
+    if instruction.opcode == "async-start":
+        return module.computations[instruction.called()[0]].root
+    return instruction
+
+
+def kind(module: "Module", instruction: Instruction) -> str:
+    """What an instruction does: its (wrapped) opcode less an async "-start"."""
+    return wrapped(module, instruction).opcode.removesuffix("-start")
+
+
 def replica_groups(instruction: Instruction, devices: int) -> list[list[int]]:
     """The device groups of a collective, from any of the forms XLA prints: `{}` (all),
     `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)` and jax 0.12's `mesh['a'=2,'b'=4] {'b'}`."""

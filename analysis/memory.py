@@ -15,6 +15,7 @@ from analysis import placement
 from analysis.addressing import Proof
 from analysis.trace import Residual, Tagged
 from analysis.traced import TracedStep
+from configs.llama3 import PIPELINED as PIPELINED_FLAG
 from model.common import ParamSpec
 
 
@@ -53,13 +54,13 @@ class MemoryPlan:
     residuals: list[Residual]  # per device; arguments (the parameters) excluded
     layers: tuple[int, ...]  # the length of each layer scan
     layer_weights: int  # one layer's weights, whole (as all-gathered), in the compute dtype
-    layer_grads: int  # one layer's weight gradients, whole, before reduce-scatter (compute dtype)
     exchange: int  # expert parallelism's exchange blocks in one MoE layer (0 without)
     capacity: int  # device memory
     host_capacity: int  # host memory per device
     matrices: tuple[int, int] | None = None  # NVFP4 layer matrices: compute dtype, as NVFP4
     optimizer_on_host: bool = False  # optimizer_state=host (trainer/host_state.py)
     transposed_weights: int = 0  # stacked weights XLA copies for the whole step (plan())
+    pipelined: int = 0  # offloaded tensors pipelined host offloading holds a layer longer
 
     @property
     def device_activations(self) -> int:
@@ -72,13 +73,13 @@ class MemoryPlan:
     @property
     def layer_working_set(self) -> int:
         """One layer's backward: every tagged value live at once (recomputed or fetched), the
-        layer's gathered weights twice (in use and prefetched), its unreduced gradients and
-        any expert exchange blocks; for the widest layer of each count."""
+        layer's gathered weights and any expert exchange blocks; for the widest layer of
+        each count. (The compiled backward loop gathers no next layer ahead and frees each
+        gathered matrix for its gradient: tests/test_plan_terms.py.)"""
         by_scan: dict[str, int] = {}
         for t in self.tags:
             by_scan[t.value.scan] = by_scan.get(t.value.scan, 0) + t.value.nbytes
-        return (max(by_scan.values(), default=0) + 2 * self.layer_weights + self.layer_grads
-                + self.exchange)
+        return max(by_scan.values(), default=0) + self.layer_weights + self.exchange
 
     @property
     def device_optimizer(self) -> int:
@@ -96,7 +97,7 @@ class MemoryPlan:
     @property
     def peak_estimate(self) -> int:
         return (self.params + self.grads + self.device_optimizer + self.device_activations
-                + self.layer_working_set + self.transposed_weights)
+                + self.layer_working_set + self.transposed_weights + self.pipelined)
 
     @property
     def fits(self) -> bool:
@@ -104,15 +105,15 @@ class MemoryPlan:
 
 
 def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
-                         fsdp: int) -> list[Residual]:
+                         shards: int) -> list[Residual]:
     """Residuals of a per-device trace (batch already per device): the parameters themselves
     are dropped (counted as state), and casts of whole parameters are FSDP-sharded."""
     kept = []
     for r in residuals:
         if r.is_argument:
             continue
-        if r.shape in param_shapes and r.shape[0] % fsdp == 0:
-            r = dataclasses.replace(r, shape=(r.shape[0] // fsdp, *r.shape[1:]))
+        if r.shape in param_shapes and r.shape[0] % shards == 0:
+            r = dataclasses.replace(r, shape=(r.shape[0] // shards, *r.shape[1:]))
         kept.append(r)
     return kept
 
@@ -188,30 +189,50 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
         grads=per_device_bytes(step.state["params"]),
         optimizer=per_device_bytes(step.state["opt_state"]),
         tags=tags,
-        residuals=per_device_residuals(step.residuals(tables), shapes, step.fsdp),
-        layers=tuple(step.layers.values()), layer_weights=layer_bytes, layer_grads=layer_bytes,
+        residuals=per_device_residuals(step.residuals(tables), shapes, step.shards),
+        layers=tuple(step.layers.values()), layer_weights=layer_bytes,
         exchange=step.exchange_buffers(), capacity=capacity, host_capacity=host_capacity,
         matrices=step.quantizable_matrices() if step.run.quant != "none" else None,
         optimizer_on_host=step.run.optimizer_state == "host",
-        transposed_weights=transposed_weights(step))
+        transposed_weights=transposed_weights(step), pipelined=pipelined(step, tags))
+
+
+def pipelined(step: TracedStep, tags: list[TagLine]) -> int:
+    """Under pipelined host offloading (the XLA flag), one layer's offloaded tensors twice, of
+    the scan that offloads most: the forward pass writes each layer's to host during the next
+    layer, the backward pass fetches the next layer's during this one (tests/test_gpu_compile.py
+    measures what the flag adds)."""
+    if step.run.xla_flags.get(PIPELINED_FLAG, "false") != "true":
+        return 0
+    per_layer: dict[str, int] = {}
+    for line in tags:
+        if line.offloaded:
+            per_layer[line.value.scan] = per_layer.get(line.value.scan, 0) + line.value.nbytes
+    return 2 * max(per_layer.values(), default=0)
 
 
 def transposed_weights(step: TracedStep) -> int:
     """Per device, the layer scans' stacked weights XLA keeps a second, transposed copy of,
-    from before the forward loop to the end of the backward loop: those whose FSDP-sharded
-    axis is not their first per-layer axis (Llama's and DeepSeek's wo and w_down, sharded on
-    their output axis). A layer's all-gather concatenates its major axis, so XLA lays the
-    whole stack out with the sharded axis first, once (a `wrapped_transpose` of the parameter
-    in the compiled program, of its bytes exactly; tests/test_plan_terms.py). On one device
-    nothing is gathered, and nothing copied."""
-    if step.fsdp == 1:
+    from before the forward loop to the end of the backward loop: those whose gathered axis
+    (FSDP-sharded: all but the expert axis of a device's own experts) is not their first
+    per-layer axis (Llama's and DeepSeek's wo and w_down, sharded on their output axis; under
+    expert parallelism every routed expert matrix, after its expert axis). A layer's
+    all-gather concatenates its major axis, so XLA lays the whole stack out with the gathered
+    axis first, once (a `wrapped_transpose` of the parameter in the compiled program, of its
+    bytes exactly; tests/test_plan_terms.py). On one device nothing is gathered, and nothing
+    copied."""
+    if step.shards == 1:
         return 0
     copied = []
+    specs = step.family.param_specs(step.model)
     for scan in step.scans:
-        for leaf in step.state["params"][scan].values():
+        for name, leaf in step.state["params"][scan].items():
             spec = tuple(leaf.sharding.spec) + (None,) * leaf.ndim
-            sharded = [i for i in range(1, leaf.ndim) if spec[i] is not None]
-            if sharded and np.prod(leaf.shape[1:sharded[0]]) > 1:
+            axes = specs[scan][name].axes
+            gathered = [i for i in range(1, leaf.ndim)
+                        if spec[i] is not None and axes[i] != "experts"]
+            local = leaf.sharding.shard_shape(leaf.shape)
+            if gathered and np.prod(local[1:gathered[0]]) > 1:
                 copied.append(leaf)
     return per_device_bytes(copied)
 

@@ -22,6 +22,7 @@ from configs import Experiment, RunConfig
 from configs.gpus import GPUS, Gpu
 from offload import policies
 from runtime import backend
+from trainer import target
 
 GiB, MiB = 2**30, 2**20
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -39,7 +40,7 @@ def full_scale(experiment: Experiment, tables: dict | None, compiled_hlo: str | 
     """The experiment's full-scale memory plan and placement list under these tables, against
     the memory JAX takes of its GPU (and, given one, the compiled program's host buffers)."""
     run = experiment.run
-    step = step or TracedStep(experiment.model, run, (run.mesh.data, run.mesh.fsdp))
+    step = step or TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
     gpu = GPUS[run.device]
     return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
                        backend.pool_bytes(gpu), gpu.host_memory)
@@ -111,15 +112,39 @@ def _verdict(line: memory.TagLine) -> str:
 
 def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
     """The whole plan: a title, the placement list, the memory lines."""
-    devices = run.mesh.data * run.mesh.fsdp
+    devices = run.mesh.devices
     pool = float(os.environ.get(HOST_POOL_VARIABLE, HOST_POOL_DEFAULT_GIB))
-    title = (f"memory plan: {name} at full scale, per device of the mesh data={run.mesh.data} x "
-             f"fsdp={run.mesh.fsdp} ({run.device}); {run.batch(devices)} sequences x {run.seq} "
+    mesh = run.mesh
+    title = (f"memory plan: {name} at full scale, per device of the mesh data={mesh.data} x "
+             f"fsdp={mesh.fsdp} x expert={mesh.expert} ({run.device}); {run.batch(devices)} "
+             f"sequences x {run.seq} "
              f"tokens; policy {run.policy}")
-    return [title, *placement_lines(plan.tags), *memory_lines(plan, GPUS[run.device], pool)]
+    return [title, *placement_lines(plan.tags),
+            *memory_lines(plan, GPUS[run.device], pool, run)]
 
 
-def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> list[str]:
+def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryPlan,
+             gpu: Gpu) -> str:
+    """The verdict, in the same words for the static plan and the compiled program."""
+    return (f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(device)} {what} of "
+            f"{_size(plan.capacity)} ({device / plan.capacity:.0%}; {memory_source(gpu)}); "
+            f"host {_size(host)} of {_size(plan.host_capacity)} per GPU")
+
+
+def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
+    """What `gpu` makes of the run's NVFP4 (the choice trainer/target.py's `quantization`
+    makes for the compile)."""
+    if target.quantization(run, target.Target("gpu", gpu.capability)).path == "scaled":
+        return f"the layer matrices multiplied in FP4 on the {gpu.name}'s FP4 tensor cores"
+    major, minor = gpu.capability
+    why = (f"JAX's FP4 product takes 1x16 blocks, not {run.quant_tiles}" if major == 10 else
+           f"the {gpu.name} (compute capability {major}.{minor}) has no FP4 tensor cores")
+    return ("the layer weights quantized-dequantized to NVFP4, multiplied in the compute dtype: "
+            f"no FP4 speed-up ({why})")
+
+
+def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
+                 run: RunConfig) -> list[str]:
     device = [r for r in plan.residuals if not r.on_host]
     stacked = sum(r.nbytes for r in device if r.shape[:1] and r.shape[0] in plan.layers)
     rows = [
@@ -134,12 +159,16 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> lis
          f"{_size(stacked)} stacked over the {' + '.join(map(str, plan.layers))} layers "
          "(layer inputs, tags kept on device), the rest after the last layer (norm, logits)"),
         ("one layer's backward", plan.layer_working_set,
-         "its tagged values, its gathered weights x2, its unreduced gradients"
+         "its tagged values, its gathered weights"
          + (f", expert exchange blocks {_size(plan.exchange)}" if plan.exchange else "")),
         ("transposed weights", plan.transposed_weights,
          "XLA's copy, for the whole step, of the stacked weights FSDP shards on a later axis"),
+        ("pipelined transfers", plan.pipelined,
+         "one layer's offloaded tensors, twice: written to host a layer late, read back a "
+         "layer early (xla_gpu_enable_pipelined_host_offloading)"),
     ]
-    out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows]
+    out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows
+           if n or name != "pipelined transfers"]
     out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
                f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}; "
                f"{memory_source(gpu)}); an estimate: NCCL scratch, cuDNN workspaces and XLA "
@@ -153,14 +182,17 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float) -> lis
                f"({_size(plan.host_activations)}), stored over the whole forward pass{state}")
     if plan.matrices:
         plain, stored = plan.matrices
-        out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  the layer matrices multiplied "
-                   f"in FP4 ({_size(plain)} in the compute dtype: {stored / plain:.0%}); not in "
-                   "the peak: masters stay FP32, each layer is quantized as it runs")
+        out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  "
+                   f"{nvfp4_words(gpu, run)}; {stored / plain:.0%} of their "
+                   f"{_size(plain)} in the compute dtype, not in the peak: masters stay FP32, "
+                   "each layer is quantized as it runs")
     if plan.host_peak > host_pool_gib * GiB:
         need = math.ceil(plan.host_peak / GiB * 1.1)
         out.append(f"WARNING: {_size(plan.host_peak)} of host memory per GPU exceed "
                    f"XLA's pinned-host pool ({host_pool_gib:g} GiB a process): set "
                    f"{HOST_POOL_VARIABLE}={need} x the process's GPUs, or offload less")
+    out.append(fit_line(plan.fits, plan.peak_estimate, "planned (estimate)", plan.host_peak,
+                        plan, gpu))
     return out
 
 
@@ -200,10 +232,7 @@ def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
         out.append(f"UNPROVEN: the addressing of {len(unproven)} of {len(proofs)} host buffers "
                    "cannot be verified (above); check the gradients on a GPU: "
                    "benchmarks/gpu_check.py")
-    out.append(f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(compiled.device)} compiled of "
-               f"{_size(plan.capacity)} ({compiled.device / plan.capacity:.0%}; "
-               f"{memory_source(gpu)}); host {_size(compiled.host)} of "
-               f"{_size(plan.host_capacity)} per GPU")
+    out.append(fit_line(fits, compiled.device, "compiled", compiled.host, plan, gpu))
     out.append("not in the compiled figures: GEMM autotuning (none without a GPU: default "
                "tiles), cuDNN workspaces (0 without a GPU), NCCL buffers (outside XLA's pool)")
     return out

@@ -54,6 +54,50 @@ def schedule_words(o: replay.Overlap) -> str:
     return "; ".join(words)
 
 
+def exchange_groups(compiled_hlo: str, gpu: Gpu, device_ids: list[int]) -> dict:
+    """The compiled program's all-to-alls and their device groups (by the mesh's device ids)
+    against the GPUs' NVLink domains: the model's own (the expert exchanges) and those XLA's
+    partitioner adds to reshard a value (the embedding lookup's: the table is sharded along
+    its width, the tokens along the batch)."""
+    module = hlo.parse_module(compiled_hlo)
+    size = gpu.domain_size(len(device_ids))
+    found = {"expert": [], "resharding": []}
+    wrappers = {c for comp in module.computations.values() for ins in comp.instructions
+                if ins.opcode == "async-start" for c in ins.called()}  # counted at their start
+    for comp in module.computations.values():
+        for ins in comp.instructions if comp.name not in wrappers else ():
+            if hlo.kind(module, ins) not in ("all-to-all", "ragged-all-to-all"):
+                continue
+            inner = hlo.wrapped(module, ins)
+            which = ("resharding" if 'is_spmd_generated="true"' in inner.attrs.get(
+                "frontend_attributes", "") else "expert")
+            found[which].append([tuple(device_ids[d] for d in group)
+                                 for group in hlo.replica_groups(inner, len(device_ids))])
+    out = {}
+    for which, instructions in found.items():
+        groups = {g for groups in instructions for g in groups}
+        out[which] = {"count": len(instructions), "sizes": sorted({len(g) for g in groups}),
+                      "domain": size,
+                      "crossing": sorted(g for g in groups if len({d // size for d in g}) > 1)}
+    return out
+
+
+def exchange_line(found: dict) -> str:
+    """The all-to-alls, the model's and the partitioner's, and whether they stay inside one
+    NVLink domain."""
+    words = []
+    for which, name in (("expert", "expert exchanges"), ("resharding", "XLA's resharding")):
+        f = found[which]
+        if not f["count"]:
+            words.append(f"{name}: none")
+            continue
+        sizes = "/".join(map(str, f["sizes"]))
+        where = (f"each inside one NVLink domain of {f['domain']} GPUs" if not f["crossing"]
+                 else f"groups across the NVLink domains of {f['domain']} GPUs, over the NICs")
+        words.append(f"{name}: {f['count']} all-to-alls over groups of {sizes} devices, {where}")
+    return "all-to-alls: " + "; ".join(words)
+
+
 def lines(p: StepPrediction) -> list[str]:
     r = p.result
     study = (f"; the study measured {p.study_tflops:,.0f} ({p.tflops / p.study_tflops - 1:+.1%})"

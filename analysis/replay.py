@@ -81,7 +81,7 @@ class Costs:
     def __init__(self, module: hlo.Module, gpu: Gpu, devices: int, efficiency=None):
         self.module, self.gpu, self.devices = module, gpu, devices
         self.efficiency = dict(gpu.efficiency if efficiency is None else efficiency)
-        self.domain = devices // math.ceil(devices / gpu.nvlink_domain)
+        self.domain = gpu.domain_size(devices)
         self._cache = {}
 
     def rate(self, precision_class: str) -> float:
@@ -97,11 +97,8 @@ class Costs:
         return self._cache[key]
 
     def _work(self, comp, ins, done) -> Work:
-        kind = ins.opcode.removesuffix("-start")
+        kind = hlo.kind(self.module, ins)
         output = (done or ins).shape
-        if kind == "async":
-            inner = self.module.computations[ins.called()[0]].root
-            kind = inner.opcode.removesuffix("-start")
         if kind in COLLECTIVES:
             return self._collective(comp, ins, kind, output)
         inputs = [comp.by_name[o].shape for o in ins.operands if o in comp.by_name]
@@ -135,7 +132,7 @@ class Costs:
         in d NVLink domains of m: (d-1)/d * S/m over the NICs, then (m-1)/m * S over NVLink;
         an all-reduce is both; an all-to-all sends (m-1)/n of S over NVLink and (n-m)/n over
         the NICs at once."""
-        group = hlo.replica_groups(ins, self.devices)[0]
+        group = hlo.replica_groups(hlo.wrapped(self.module, ins), self.devices)[0]
         n = len(group)
         inputs = sum(comp.by_name[o].shape.nbytes for o in ins.operands if o in comp.by_name)
         size = max(inputs, output.nbytes)

@@ -1,9 +1,10 @@
 """Placement search: each candidate's device memory and step time, predicted without a GPU.
 
-A candidate is a micro batch (per-device batch), one placement table per layer scan, an XLA
-schedule (latency hiding scheduler on or off, pipelined host offloading on or off) and where
-the optimizer state lives (device, or host: its moments cross the host link each way per step,
-after the backward pass, exposed). Its inputs
+A candidate is a micro batch (per-device batch), for MoE models a mesh (how many devices of
+the expert axis split the routed experts; the fsdp axis takes the rest), one placement table
+per layer scan, an XLA schedule (latency hiding scheduler on or off, pipelined host offloading
+on or off) and where the optimizer state lives (device, or host: its moments cross the host
+link each way per step, after the backward pass, exposed). Its inputs
 come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `trace.work`)
 and from the hardware figures; nothing here traces or reads configs.
 
@@ -13,7 +14,8 @@ analysis/replay.py, judges the few that are compiled), per layer scan and per la
              rate (the GPU's bf16 rate, configs/gpus.py);
   host link  each offloaded tag's bytes, once to host in the forward pass and once back;
   NVLink     FSDP: the layer's weights all-gathered in each pass, its gradients
-             reduce-scattered; expert all-to-alls (and the ones the recompute repeats).
+             reduce-scattered; expert all-to-alls (and the ones the recompute repeats), over
+             NVLink inside an NVLink domain, over the NICs for the part that leaves it.
 Overlap: without the latency hiding scheduler every transfer and collective is exposed. With
 it, FSDP collectives hide behind the layer's compute; a host copy hides behind the compute
 between its tag and the end of the layer (forward) or between the start of the layer's
@@ -54,6 +56,7 @@ class Scan:
     exchange: float  # all-to-all bytes sent per pass, no checkpointing
     remat_exchange: float  # all-to-all bytes the recompute repeats, nothing kept
     weight_bytes: int  # the layer's weights as gathered; its gradients as reduce-scattered
+    exchange_group: int = 1  # the devices of one all-to-all (the expert axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Workload:
     fixed_bytes: int  # weights, gradients, what outlives the layers, one layer's backward
     model_flops: float  # MaxText's count, for TFLOP/s/device
     state_bytes: int = 0  # the AdamW moments: on the device or in host memory, as chosen
+    mesh: tuple[int, int, int] | None = None  # (data, fsdp, expert) when the mesh is searched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +76,21 @@ class Hardware:
     rate: float  # dot FLOP/s
     nvlink: float  # bytes/s each way
     host_link: float  # bytes/s each way
-    devices: int  # in the FSDP and expert collectives
+    devices: int  # in the FSDP collectives
     capacity: int  # device memory JAX takes
     host_capacity: int  # host memory per GPU
+    network: float = 0.0  # bytes/s each way per GPU between NVLink domains
+    domain: int = 0  # GPUs per NVLink domain (configs/gpus.py: Gpu.domain_size); 0: all
+
+    def all_to_all_s(self, group: int) -> float:
+        """Seconds per byte of an all-to-all over `group` consecutive devices: the part for
+        the group's devices in one NVLink domain over NVLink, the rest over the NICs at once
+        (as analysis/replay.py costs it)."""
+        if group <= 1:
+            return 0.0
+        inside = min(group, self.domain or group)
+        leaving = (group - inside) / group / self.network if group > inside else 0.0
+        return max((inside - 1) / group / self.nvlink, leaving)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +109,17 @@ class Candidate:
     schedule: Schedule
     row: str = ""  # the study row it is, if any
     optimizer_state: str = "device"  # or "host" (trainer/host_state.py)
+    mesh: tuple[int, int, int] | None = None  # (data, fsdp, expert), when searched
 
     def table(self, scan: str) -> dict:
         return dict(dict(self.tables).get(scan, ()))
 
 
 def make_candidate(batch: int, tables: dict, schedule: Schedule, row: str = "",
-                   optimizer_state: str = "device") -> Candidate:
+                   optimizer_state: str = "device", mesh=None) -> Candidate:
     frozen = tuple((s, tuple(sorted((t, p) for t, p in table.items() if p != "remat")))
                    for s, table in sorted(tables.items()))
-    return Candidate(batch, frozen, schedule, row, optimizer_state)
+    return Candidate(batch, frozen, schedule, row, optimizer_state, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +185,7 @@ def scan_terms(scan: Scan, placed: dict, sched: Schedule, hw: Hardware,
     backward_s = (scan.backward_flops + flops) / hw.rate
     ring = (hw.devices - 1) / hw.devices / hw.nvlink  # seconds per byte of a collective
     gather = scan.weight_bytes * ring
-    exchange_s = (2 * scan.exchange + exchange) * ring
+    exchange_s = (2 * scan.exchange + exchange) * hw.all_to_all_s(scan.exchange_group)
     to_host = sum(t.nbytes for t in moved) / hw.host_link
     if sched.lhs:
         copies = [(t.position, t.nbytes / hw.host_link) for t in moved]
@@ -248,11 +265,12 @@ def _front(options: list) -> list:
 
 
 def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Prediction]:
-    """Every candidate over these micro batches (`works`: batch -> Workload) and schedules,
-    each scan's dominated tables pruned first (memory and time add up over scans), ranked:
-    fitting ones first, then by predicted step time (recompute summed per tag)."""
+    """Every candidate over these workloads (`works`: one per micro batch and mesh) and
+    schedules, each scan's dominated tables pruned first (memory and time add up over
+    scans), ranked: fitting ones first, then by predicted step time (recompute summed per
+    tag)."""
     found = []
-    for batch, work in works.items():
+    for work in works.values():
         sizes = [2 * 3 ** (len(s.tags) - 1) for s in work.scans]
         exhaustive = max(sizes) <= EXHAUSTIVE
         per_scan = {s.name: scan_tables(s, exhaustive) for s in work.scans}
@@ -262,8 +280,8 @@ def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Predict
             for combo, state in itertools.product(itertools.product(*fronts), STATES):
                 tables = {s.name: t for s, (t, _) in zip(work.scans, combo)}
                 terms = sum((a for _, a in combo), Terms())
-                found.append(_finish(make_candidate(batch, tables, sched, "", state), work, hw,
-                                     terms, False))
+                found.append(_finish(make_candidate(work.batch, tables, sched, "", state,
+                                                    work.mesh), work, hw, terms, False))
     return rank(found)
 
 
@@ -289,6 +307,9 @@ def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
     """The `key=value` overrides that run a candidate: every placement spelled out."""
     out = ["policy=remat", f"per_device_batch={candidate.batch}", "global_batch=0",
            f"optimizer_state={candidate.optimizer_state}"]
+    if candidate.mesh is not None:
+        out += [f"mesh.{axis}={n}" for axis, n in zip(("data", "fsdp", "expert"),
+                                                      candidate.mesh)]
     for scan in scans:
         out += [f"policy.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
     sched = candidate.schedule

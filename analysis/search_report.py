@@ -1,15 +1,18 @@
 """The placement search's inputs, traced from an experiment, and its report.
 
     python train.py EXPERIMENT --search [device=gb200|b200|h200|h100] [key=value ...]
-        [search.batches=1,2,4,8] [search.top=10] [search.exact=5] [search.verify=0]
-        [search.plot=auto|off]
+        [search.batches=1,2,4,8] [search.experts=1,2,4,8] [search.top=10] [search.exact=5]
+        [search.verify=0] [search.plot=auto|off]
 
 Every figure comes from the traced full-scale step (abstract values over an abstract mesh,
 as `--plan`): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
 tag's recompute saving; hardware figures from configs/gpus.py (GEMMs at the bf16 rate the
-replay uses). This fast model only ranks; `search.verify=N` compiles the best N and the rows
-registered for the model and ranks those by the replay of their compiled programs
-(analysis/replay.py). `analysis/search.py` holds the model and the search.
+replay uses). For a MoE model each expert-parallel degree (the mesh's expert axis) is traced
+apart, its memory, collectives and all-to-alls its own; the recompute each tag saves is
+traced at the experiment's own degree and used for every degree (FLOPs and all-to-all bytes
+per device barely depend on it). This fast model only ranks; `search.verify=N` compiles the
+best N and the rows registered for the model and ranks those by the replay of their compiled
+programs (analysis/replay.py). `analysis/search.py` holds the model and the search.
 """
 
 import dataclasses
@@ -24,11 +27,13 @@ from analysis.traced import TracedStep
 from configs import ConfigError, Experiment
 from configs.gpus import GPUS, Gpu
 from model import families
+from model.config import DeepSeekConfig
 from offload import policies
 from runtime import backend
 
 GiB = 2**30
-OPTIONS = {"batches": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
+OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0",
+           "plot": "auto"}
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
 
@@ -52,34 +57,38 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
 
 
 class Tracer:
-    """One experiment's step traced at each micro batch the search asks for (a TracedStep
-    each), and the search's inputs read from them."""
+    """One experiment's step traced at each micro batch and expert-parallel degree the search
+    asks for (a TracedStep each), and the search's inputs read from them."""
 
     def __init__(self, experiment: Experiment):
         self.experiment, self.model, self.run = experiment, experiment.model, experiment.run
         self.scans = list(families.of(self.model).SCANS)
         self.remat = {s: {} for s in self.scans}
-        self.steps: dict[int, TracedStep] = {}
+        self.steps: dict[tuple[int, int], TracedStep] = {}
+        self.moe = isinstance(self.model, DeepSeekConfig)
 
-    def step(self, batch: int) -> TracedStep:
-        if batch not in self.steps:
-            run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0)
-            self.steps[batch] = TracedStep(self.model, run, (run.mesh.data, run.mesh.fsdp))
-        return self.steps[batch]
+    def mesh(self, expert: int) -> tuple[int, int, int]:
+        """The experiment's mesh with `expert` devices on the expert axis, fsdp the rest."""
+        data, devices = self.run.mesh.data, self.run.mesh.devices
+        return data, devices // (data * expert), expert
 
-    def recompute(self, batch: int, tables: dict) -> dict:
+    def step(self, batch: int, expert: int = 0) -> TracedStep:
+        expert = expert or self.run.mesh.expert
+        if (batch, expert) not in self.steps:
+            data, fsdp, _ = self.mesh(expert)
+            mesh = dataclasses.replace(self.run.mesh, fsdp=fsdp, expert=expert)
+            run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0,
+                                      mesh=mesh)
+            self.steps[batch, expert] = TracedStep(self.model, run, (data, fsdp, expert))
+        return self.steps[batch, expert]
+
+    def recompute(self, batch: int, tables: dict, expert: int = 0) -> dict:
         """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `tables`."""
-        step = self.step(batch)
+        step = self.step(batch, expert)
         base, own = step.work(None), step.work(tables)
         return {s: tuple((getattr(own, f).get((s, "backward"), 0.0)
                           - getattr(base, f).get((s, "backward"), 0.0)) / step.layers[s]
                          for f in ("flops", "exchanged")) for s in self.scans}
-
-    def tags(self, batch: int) -> dict:
-        """scan -> the tags the backward pass reads, as traced (per device, per layer)."""
-        step = self.step(batch)
-        return {s: [v for v in step.sites if v.scan == s and (s, v.tag) in step.needed]
-                for s in self.scans}
 
     @functools.cache
     def savings(self, scan: str, tag: str) -> tuple[float, float]:
@@ -91,14 +100,17 @@ class Tracer:
         return tuple((r - a) / batch for r, a in zip(remat, alone))
 
     @functools.cache
-    def workload(self, batch: int, savings: bool = True) -> search.Workload:
-        """The search's inputs at one micro batch; without `savings` (a candidate counted on
-        its own trace needs none) each tag's recompute saving is left at zero."""
-        step = self.step(batch)
+    def workload(self, batch: int, expert: int = 0, savings: bool = True) -> search.Workload:
+        """The search's inputs at one micro batch and expert-parallel degree; without
+        `savings` (a candidate counted on its own trace needs none) each tag's recompute
+        saving is left at zero."""
+        expert = expert or self.run.mesh.expert
+        step = self.step(batch, expert)
         none, layers = step.work(None), step.layers
-        remat = self.recompute(batch, self.remat)
-        sites = self.tags(batch)
-        fixed, state = self.remat_plan(batch)
+        remat = self.recompute(batch, self.remat, expert)
+        sites = {s: [v for v in step.sites if v.scan == s and (s, v.tag) in step.needed]
+                 for s in self.scans}
+        fixed, state = self.remat_plan(batch, expert)
         scans = []
         for s in self.scans:
             tags = sorted(sites[s], key=lambda v: v.tag != policies.LAYER_INPUT)
@@ -111,17 +123,18 @@ class Tracer:
                 none.flops.get((s, "forward"), 0.0) / layers[s],
                 none.flops.get((s, "backward"), 0.0) / layers[s], *remat[s][:1],
                 none.exchanged.get((s, "forward"), 0.0) / layers[s], remat[s][1],
-                step.gathered_layer_bytes(s)))
+                step.gathered_layer_bytes(s), expert))
             fixed -= layers[s] * tags[0].nbytes  # the layer input: placed by the candidate
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
         flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
-        return search.Workload(batch, tuple(scans), other, fixed, flops, state)
+        return search.Workload(batch, tuple(scans), other, fixed, flops, state,
+                               self.mesh(expert) if self.moe else None)
 
     @functools.cache
-    def remat_plan(self, batch: int) -> tuple[int, int]:
+    def remat_plan(self, batch: int, expert: int) -> tuple[int, int]:
         """Peak device bytes with every tag recomputed, without the optimizer state, and the
         optimizer state's bytes: the static plan's arithmetic."""
-        step = self.step(batch)
+        step = self.step(batch, expert)
         lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
         gpu = GPUS[self.run.device]
         planned = memory.plan(step, self.remat, lines, backend.pool_bytes(gpu), gpu.host_memory)
@@ -158,20 +171,23 @@ def tracer_for(experiment: Experiment) -> Tracer:
 def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
     tables = policies.placement_tables(row.run.policy, row.run.placements,
                                        families.scan_tags(row.model))
+    mesh = tracer.mesh(row.run.mesh.expert) if tracer.moe else None
     return search.make_candidate(row.run.per_device_batch, tables, schedule_of(row.run),
-                                 row.name, row.run.optimizer_state)
+                                 row.name, row.run.optimizer_state, mesh)
 
 
 def hardware(gpu: Gpu, devices: int) -> search.Hardware:
     rate = gpu.peaks["bf16"] * gpu.efficiency.get("bf16", 1.0)
     return search.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices,
-                           backend.pool_bytes(gpu), gpu.host_memory)
+                           backend.pool_bytes(gpu), gpu.host_memory, gpu.network,
+                           gpu.domain_size(devices))
 
 
 def exact(tracer: Tracer, candidate: search.Candidate, hw: search.Hardware):
     tables = {s: candidate.table(s) for s in tracer.scans}
-    return search.predict(candidate, tracer.workload(candidate.batch, savings=False), hw,
-                          tracer.recompute(candidate.batch, tables))
+    expert = candidate.mesh[2] if candidate.mesh else 0
+    return search.predict(candidate, tracer.workload(candidate.batch, expert, savings=False),
+                          hw, tracer.recompute(candidate.batch, tables, expert))
 
 
 @dataclasses.dataclass
@@ -199,16 +215,46 @@ def batches_of(experiment: Experiment, text: str) -> list[int]:
     return found
 
 
+def experts_of(experiment: Experiment, text: str) -> list[int]:
+    """Expert-parallel degrees: given, or for a MoE model every power of two from 2 that
+    divides its experts and the devices the data axis leaves, up to one NVLink domain (and its
+    own). Not 1 unless asked: without expert parallelism a GPU computes the experts with
+    `ragged_dot`, which XLA expands past any GPU's memory at full scale (DeepSeek-V3: 2,799
+    GiB per GB200 compiled, docs/search.md), and the fast model cannot see that."""
+    run, model = experiment.run, experiment.model
+    per_replica = run.mesh.devices // run.mesh.data
+    if not isinstance(model, DeepSeekConfig):
+        if text:
+            raise ConfigError(f"search.experts={text!r}: {experiment.name} has no routed "
+                              "experts to split")
+        return [1]
+    if not text:
+        domain = GPUS[run.device].domain_size(run.mesh.devices)
+        powers = [2**i for i in range(1, per_replica.bit_length())]
+        return sorted({run.mesh.expert} | {e for e in powers if e <= domain and not (
+            model.n_experts % e or per_replica % e)})
+    try:
+        found = sorted({int(e) for e in text.split(",")})
+    except ValueError:
+        found = [0]
+    bad = [e for e in found if e < 1 or model.n_experts % e or per_replica % e]
+    if bad:
+        raise ConfigError(f"search.experts={text!r}: each must divide the {model.n_experts} "
+                          f"experts and the {per_replica} devices of a data replica")
+    return found
+
+
 def run_search(experiment: Experiment, options: dict, clock) -> Result:
     """Search `experiment`'s placements on its device; the top `exact` fitting candidates and
     the study's rows get their recompute counted from their own trace."""
     started = clock()
     run = experiment.run
     tracer = tracer_for(experiment)
-    hw = hardware(GPUS[run.device], run.mesh.data * run.mesh.fsdp)
+    hw = hardware(GPUS[run.device], run.mesh.devices)
     rows = [row_candidate(tracer, e) for e in study_rows(experiment)]
     batches = batches_of(experiment, options["batches"])
-    works = {b: tracer.workload(b) for b in batches}
+    works = {(b, e): tracer.workload(b, e) for b in batches
+             for e in experts_of(experiment, options["experts"])}
     schedules = [search.Schedule(True), search.Schedule(True, True)]
     ranked = search.search(works, hw, schedules)
     searched = len(ranked)
@@ -231,6 +277,8 @@ def placement_text(candidate: search.Candidate, scans) -> str:
         parts.append(f"{scan}: D[{' '.join(kept)}] H[{' '.join(moved)}]")
     if candidate.optimizer_state == "host":
         parts.append("AdamW moments on host")
+    if candidate.mesh is not None:
+        parts.insert(0, f"EP {candidate.mesh[2]} x FSDP {candidate.mesh[1]}")
     return "; ".join(parts)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
 from analysis import placement, trace
-from configs import RunConfig
+from configs import MESH_AXES, RunConfig
 from model import common, families, quant
 from trainer import build
 from trainer.step import make_optimizer
@@ -31,14 +31,15 @@ def freeze(tables: dict | None):
 
 
 class TracedStep:
-    def __init__(self, model, run: RunConfig, mesh_shape: tuple[int, int]):
+    def __init__(self, model, run: RunConfig, mesh_shape: tuple[int, int, int]):
         if run.expert_path == "auto":
             run = dataclasses.replace(run, expert_path="sorted")
         self.model, self.run, self.family = model, run, families.of(model)
         self.scans = list(self.family.SCANS)
-        self.devices, self.fsdp = math.prod(mesh_shape), mesh_shape[1]
-        mesh = AbstractMesh(mesh_shape, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-        self.rules = build.axis_rules(run, mesh)
+        self.devices, self.fsdp, self.expert = math.prod(mesh_shape), *mesh_shape[1:]
+        self.shards = self.fsdp * self.expert  # the devices a weight is sharded over
+        mesh = AbstractMesh(mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+        self.rules = common.AxisRules(mesh=mesh)
         self.optimizer = make_optimizer(run.optimizer, run.steps)
         self.state = build.abstract_state(model, run, self.rules, self.optimizer)
         self.batch = build.abstract_batch(run, self.rules, self.devices)
@@ -59,22 +60,21 @@ class TracedStep:
         return self._traced[key]
 
     def split_by_expert(self, spec: common.ParamSpec) -> bool:
-        """Under expert parallelism, routed-expert weights: each device holds its own, whole."""
-        return self.rules.experts is not None and "experts" in spec.axes
+        """Under expert parallelism, routed-expert weights: each device has its own share."""
+        return self.expert > 1 and "experts" in spec.axes
 
     def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
         if not self.split_by_expert(spec):
             return spec
         axis = spec.axes.index("experts")
         shape = list(spec.shape)
-        shape[axis] //= self.fsdp
+        shape[axis] //= self.expert
         return dataclasses.replace(spec, shape=tuple(shape))
 
     def local_loss(self, tables: dict | None):
         """One device's loss under `tables`, traced alone (no mesh), as a function of
         (params, batch)."""
-        loss = build.make_loss(self.model, self.run, tables, rules=None, target=ANY,
-                               fsdp_devices=self.fsdp)
+        loss = build.make_loss(self.model, self.run, tables, rules=None, target=ANY)
         return lambda params, batch: loss(params, batch)[0]
 
     @property
@@ -126,8 +126,10 @@ class TracedStep:
 
     def gathered_layer_bytes(self, scan: str) -> int:
         """One layer's weights as FSDP all-gathers them (in the compute dtype), which is also
-        its gradients' reduce-scatter; a device's own experts are not gathered."""
-        shared = [s for s in self.specs[scan].values() if not self.split_by_expert(s)]
+        its gradients' reduce-scatter; under expert parallelism, a device's own experts (not
+        gathered at all without an fsdp axis)."""
+        shared = [s for s in self.specs[scan].values()
+                  if self.fsdp > 1 or not self.split_by_expert(s)]
         return (sum(math.prod(s.shape[1:]) for s in shared)
                 * jnp.dtype(self.run.compute_dtype).itemsize)
 
@@ -138,7 +140,7 @@ class TracedStep:
     def exchange_buffers(self) -> int:
         """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the
         outputs returned, each [devices x block rows, D] in the compute dtype."""
-        parallel = forward_options(self.model, self.run, self.fsdp, ANY).get("expert_parallel")
+        parallel = forward_options(self.model, self.run, ANY).get("expert_parallel")
         if parallel is None:
             return 0
         tokens = self.local_batch.shape[0] * self.run.seq
@@ -158,7 +160,7 @@ class TracedStep:
                 per_layer = math.prod(spec.shape[1:])
                 plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize
                 stored += spec.shape[0] * quant.nvfp4_bytes((per_layer,), 0)
-        return plain // self.fsdp, stored // self.fsdp
+        return plain // self.shards, stored // self.shards
 
 
 def _is_spec(x) -> bool:

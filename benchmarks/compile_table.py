@@ -31,7 +31,7 @@ def row(name: str, overrides: list[str], targets: dict) -> list[str]:
     started = time.perf_counter()
     setup = runtime_setup.resolve(name, overrides, full=True)
     run = setup.run
-    key = (run.device, run.mesh.data * run.mesh.fsdp)
+    key = (run.device, run.mesh.devices)
     if key not in targets:
         targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
     built = runtime_setup.build(setup, targets[key])

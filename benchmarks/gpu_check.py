@@ -53,7 +53,7 @@ def value_and_grad_fn(model, tables, dtype, run):
     target = trainer_target.this_machine()
     run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name)
     loss = partial(trainer_step.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
-                   rules=None, dtype=dtype, **trainer_target.forward_options(model, run, 1, target))
+                   rules=None, dtype=dtype, **trainer_target.forward_options(model, run, target))
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
                    compiler_options=trainer_target.compiler_options(run, target) or None)
 

@@ -47,7 +47,7 @@ def compiled_hlo(name: str, hlo_dir: Path | None, targets: dict) -> str:
     if hlo_dir is not None and (hlo_dir / f"{name}.hlo").exists():
         return (hlo_dir / f"{name}.hlo").read_text()
     setup = runtime_setup.resolve(name, [], full=True)
-    key = (setup.run.device, setup.run.mesh.data * setup.run.mesh.fsdp)
+    key = (setup.run.device, setup.run.mesh.devices)
     if key not in targets:
         targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
     text = runtime_setup.build(setup, targets[key]).compiled.as_text()
@@ -62,7 +62,7 @@ def predict(name: str, text: str, efficiency=None, **changes) -> predicted.StepP
     model, run = experiment.model, experiment.run
     flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
     gpu = dataclasses.replace(GPUS[run.device], **changes)
-    return predicted.predict(text, gpu, run.mesh.data * run.mesh.fsdp, flops,
+    return predicted.predict(text, gpu, run.mesh.devices, flops,
                              configs.STUDY_TFLOPS.get(name), efficiency=efficiency)
 
 

@@ -6,6 +6,7 @@ at a size a laptop runs in about a second a step. `scale=auto` picks whichever t
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -36,13 +37,26 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards.
-    fsdp=-1 takes all the devices the data axis leaves."""
+    """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards
+    x `expert` shards. Weights are sharded over fsdp x expert, except the routed experts: split
+    over `expert` (E/expert each) and sharded over `fsdp`; tokens over all three. The expert
+    axis is the innermost, so its devices are neighbours (one host, one NVLink domain) and
+    the expert exchanges stay inside it. fsdp=-1 takes all the devices the others leave."""
     data: int = 1
     fsdp: int = -1
+    expert: int = 1
 
-    def shape(self, n_devices: int) -> tuple[int, int]:
-        return self.data, (n_devices // self.data if self.fsdp == -1 else self.fsdp)
+    def shape(self, n_devices: int) -> tuple[int, int, int]:
+        rest = n_devices // (self.data * self.expert) if self.data * self.expert > 0 else 0
+        return self.data, (rest if self.fsdp == -1 else self.fsdp), self.expert
+
+    @property
+    def devices(self) -> int:
+        """The devices the mesh spells out (fsdp=-1: as many as it takes; then not known)."""
+        return self.data * self.fsdp * self.expert if self.fsdp > 0 else -1
+
+
+MESH_AXES = ("data", "fsdp", "expert")  # the mesh's axis names, outermost first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +101,9 @@ class RunConfig:
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
-    expert_parallel: bool = False  # routed experts split over the fsdp devices
-    # Under expert parallelism, rows a device may send each other device, as a multiple of
-    # the balanced share; 0: room for the worst case (dropless). Pairs beyond it are dropped.
+    # With mesh.expert > 1 (expert parallelism), rows a device may send each expert, as a
+    # multiple of the balanced share; 0: room for the worst case (dropless). Pairs beyond
+    # it are dropped, and counted.
     expert_capacity: float = 0.0
     # The loss over this many sequence chunks, each one's logits recomputed in the backward
     # pass, instead of all [B, T, V] fp32 logits and their gradient at once.
@@ -206,9 +220,80 @@ def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, 
     return model, run
 
 
+# Every numeric field of the run and model configs -> the values it may take (what a special
+# value means in brackets); one out of its range is one line: `router_bias_rate=-0.01 must be
+# >= 0`. The model's own problems() also checks its fields, and how they relate: a field,
+# or its group (model.rope_scaling), that its lines name is not named again.
+RANGES = {
+    "per_device_batch": ">= 1",
+    "global_batch": ">= 0 (0: per_device_batch x devices)",
+    "seq": ">= 1",
+    "steps": ">= 1",
+    "seed": "in [0, 2**63) (numpy's seeds)",
+    "checkpoint_every": ">= 0 (0: only when stopped by a signal)",
+    "keep": ">= 1",
+    "expert_capacity": ">= 0 (0: dropless)",
+    "loss_chunks": ">= 1",
+    "router_bias_rate": ">= 0",
+    "balance_loss_weight": ">= 0",
+    "optimizer.lr": "> 0",
+    "optimizer.warmup_steps": ">= 0",
+    "optimizer.min_lr_ratio": "in [0, 1]",
+    "optimizer.b1": "in [0, 1)",
+    "optimizer.b2": "in [0, 1)",
+    "optimizer.weight_decay": ">= 0",
+    "optimizer.clip_norm": "> 0",
+    "mesh.data": ">= 1",
+    "mesh.fsdp": "-1 or >= 1 (-1: all the devices the other axes leave)",
+    "mesh.expert": ">= 1",
+    **{f"model.{name}": "> 0" for name in (
+        "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+        "rope_theta", "max_position", "norm_eps", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim",
+        "v_head_dim", "moe_d_ff", "n_experts", "experts_per_token", "n_shared_experts",
+        "n_groups", "topk_groups", "routed_scaling", "rope_scaling.factor",
+        "rope_scaling.original_max_position", "rope_scaling.low_freq_factor",
+        "rope_scaling.high_freq_factor", "rope_scaling.beta_fast", "rope_scaling.beta_slow")},
+    "model.n_dense_layers": ">= 1",
+    "model.q_lora_rank": "> 0 (none: a plain q_proj)",
+    "model.rope_scaling.mscale": ">= 0 (0 or none: Hugging Face's default)",
+    "model.rope_scaling.mscale_all_dim": ">= 0 (0 or none: Hugging Face's default)",
+}
+_RULES = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 2**63)": lambda v: 0 <= v < 2**63,
+    "-1 or >= 1": lambda v: v == -1 or v >= 1,
+}
+
+
+def out_of_range(model: ModelConfig, run: RunConfig, said: list[str] = ()) -> list[str]:
+    """A line for each field of RANGES out of its range (a field of the other model family,
+    or one set to None, has none), unless a line of `said` names it or its group."""
+    found = []
+    for key, allowed in RANGES.items():
+        path = key.split(".")
+        value = model if path[0] == "model" else run
+        for name in path[1:] if path[0] == "model" else path:
+            value = getattr(value, name, None)
+        if value is None or _RULES[allowed.partition(" (")[0]](value):
+            continue
+        names = [".".join(path[:n]) for n in range(min(2, len(path)), len(path) + 1)]
+        if not any(re.search(rf"(?<![\w.]){re.escape(n)}(?![\w.])", line)
+                   for n in names for line in said):
+            found.append(f"{key}={value!r} must be {allowed}")
+    return found
+
+
 def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     """Every impossible combination for this many devices, one line each."""
     found = list(model.problems())
+    mesh = run.mesh
+    data, fsdp, expert = mesh.shape(n_devices)
+    experts = _expert_problems(model, run, fsdp)
+    found += out_of_range(model, run, found + experts)
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
                "quant": QUANTS, "quant_tiles": QUANT_TILES, "device": tuple(GPUS),
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
@@ -217,51 +302,34 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
               for k, v in choices.items() if getattr(run, k) not in v]
     if run.data.dtype not in ("uint16", "uint32"):
         found.append(f"data.dtype={run.data.dtype!r}: choose uint16 or uint32")
-    for name in ("per_device_batch", "seq", "steps", "loss_chunks"):
-        if getattr(run, name) < 1:
-            found.append(f"{name} must be at least 1, got {getattr(run, name)}")
     if run.loss_chunks >= 1 and run.seq % run.loss_chunks:
         found.append(f"seq={run.seq} is not divisible into loss_chunks={run.loss_chunks}")
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")
-    if not 0 <= run.seed < 2**63:
-        found.append(f"seed={run.seed} must lie in [0, 2**63)")
-    if run.checkpoint_every < 0 or run.keep < 1:
-        found.append(f"checkpoint_every={run.checkpoint_every} must be 0 (off) or positive, "
-                     f"keep={run.keep} at least 1")
-    if run.global_batch < 0:
-        found.append(f"global_batch={run.global_batch} must be 0 (per-device batch x devices) "
-                     "or positive")
-    data, fsdp = run.mesh.shape(n_devices) if run.mesh.data >= 1 else (run.mesh.data, 0)
-    if data < 1 or fsdp < 1 or data * fsdp != n_devices:
-        found.append(f"mesh data={run.mesh.data} x fsdp={run.mesh.fsdp} does not cover the "
-                     f"{n_devices} devices")
-    elif run.batch(n_devices) % (data * fsdp):
+    if min(mesh.data, mesh.expert) < 1 or fsdp < 1 or data * fsdp * expert != n_devices:
+        found.append(f"mesh data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert} does "
+                     f"not cover the {n_devices} devices")
+    elif run.batch(n_devices) % n_devices:
         found.append(f"global_batch={run.batch(n_devices)} is not divisible over the "
-                     f"{data * fsdp} data x fsdp devices")
-    found += _expert_problems(model, run, fsdp)
+                     f"{n_devices} devices")
+    found += experts
     found += [f"xla_flags.{flag}: XLA flag names start with xla_"
               for flag in run.xla_flags if not flag.startswith("xla_")]
-    opt = run.optimizer
-    if opt.lr <= 0 or opt.warmup_steps < 0 or opt.clip_norm <= 0 or opt.weight_decay < 0:
-        found.append("optimizer: lr and clip_norm must be positive, warmup_steps and "
-                     "weight_decay non-negative")
-    if not (0 <= opt.b1 < 1 and 0 <= opt.b2 < 1 and 0 <= opt.min_lr_ratio <= 1):
-        found.append("optimizer: b1 and b2 must lie in [0, 1), min_lr_ratio in [0, 1]")
     return found
 
 
 def _expert_problems(model: ModelConfig, run: RunConfig, fsdp: int) -> list[str]:
-    if run.expert_capacity < 0:
-        return [f"expert_capacity={run.expert_capacity} must be 0 (dropless) or positive"]
-    if not run.expert_parallel:
-        return []
     if not isinstance(model, DeepSeekConfig):
-        return ["expert_parallel=true needs a model with routed experts (DeepSeek)"]
-    if fsdp >= 1 and model.n_experts % fsdp:
-        return [f"expert_parallel: model.n_experts={model.n_experts} is not divisible over the "
-                f"fsdp={fsdp} devices"]
+        return [] if run.mesh.expert == 1 else [
+            f"mesh.expert={run.mesh.expert}: this model has no routed experts to split "
+            "(only DeepSeek does)"]
+    if run.mesh.expert > 1 and model.n_experts % run.mesh.expert:
+        return [f"mesh.expert={run.mesh.expert} does not divide the model's "
+                f"n_experts={model.n_experts}"]
+    if fsdp >= 1 and model.n_experts % (fsdp * run.mesh.expert):
+        return [f"model.n_experts={model.n_experts} is not divisible over the fsdp x expert = "
+                f"{fsdp * run.mesh.expert} devices the routed experts are sharded over"]
     return []
 
 

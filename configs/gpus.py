@@ -9,6 +9,7 @@ published). No JAX import (see configs).
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +68,11 @@ class Gpu:
     def device_kind(self) -> str:
         return self._field("name").strip('"')
 
+    def domain_size(self, devices: int) -> int:
+        """GPUs per NVLink domain when `devices` of them fill as few domains as they can, in
+        equal parts (128 GB200s: two NVL72 racks of 64): device d is in domain d // size."""
+        return devices // math.ceil(devices / self.nvlink_domain)
+
     def topology(self, devices: int) -> str:
         """XLA's topology for `devices` GPUs in hosts of `per_host`: slices x hosts x GPUs."""
         per_host = min(self.per_host, devices)
@@ -82,8 +88,11 @@ class Gpu:
 BLACKWELL = {"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15}
 HOPPER = {"bf16": 989e12, "fp8": 1979e12, "tf32": 495e12}
 GPUS = {gpu.name: gpu for gpu in (
+    # bf16 fitted on deepseek671b-offload (`make step-times`, docs/replay.md); FP4 cannot be:
+    # at its peak every Llama row replays below the study.
     Gpu("gb200", per_host=4, host_memory=240 * 10**9, peaks=BLACKWELL, nvlink=900e9,
-        nvlink_domain=72, network=50e9, host_link=450e9, host_link_gpus=2),
+        nvlink_domain=72, network=50e9, host_link=450e9, host_link_gpus=2,
+        efficiency={"bf16": 0.651}, calibrated_on={"bf16": "deepseek671b-offload"}),
     Gpu("b200", per_host=8, host_memory=256 * 10**9,
         peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.125e15}, nvlink=900e9,
         nvlink_domain=8,

@@ -51,11 +51,12 @@ register(
                policy="qkv_offload", xla_flags={LHS: "false"}),
     _llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
                policy="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
-    # Not a study row: the placement search's best on 128 GB200s (make
-    # search-llama405b-offload), registered as a prediction to check on GPUs. Its host bytes
-    # (208.7 GiB per GPU) need XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=230 (scripts/slurm sets it).
+    # Not a study row: a placement the search's fast model once ranked first on 128 GB200s
+    # (make search-llama405b-offload; docs/search.md), registered as a prediction the replay
+    # overturned, to check on GPUs. Its host bytes (208.7 GiB per GPU) need
+    # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=230 (scripts/slurm sets it).
     _llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "
-               "Q and out_proj kept (predicted +18.8% over row 2)", per_device_batch=1,
+               "Q and out_proj kept (the fast model's first, once)", per_device_batch=1,
                placements={"layers.query_proj": "device", "layers.out_proj": "device",
                            "layers.key_proj": "offload", "layers.value_proj": "offload",
                            "layers.mlpwi_0": "offload", "layers.mlpwi_1": "offload"},

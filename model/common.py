@@ -25,36 +25,56 @@ class AxisRules:
     Model code names what an axis *is* (batch, embed, heads); only this table says which mesh
     axis shards it, so a new parallelism is one edited default, not edits across the model.
     FSDP: weights are sharded along `embed`, activations along `batch`, over the same devices.
+    Expert parallelism: the routed experts split over `expert` (each device computes E/N of
+    them, exchanging tokens with the other devices of its expert group) and FSDP-sharded over
+    `fsdp`; every other weight is sharded over both. A mesh may leave out an axis it does not
+    split (a mesh of data x fsdp is expert parallelism of 1).
     """
-    batch: MeshAxes = ("data", "fsdp")
+    batch: MeshAxes = ("data", "fsdp", "expert")
     seq: MeshAxes = None
-    embed: MeshAxes = "fsdp"
+    embed: MeshAxes = ("fsdp", "expert")
     vocab: MeshAxes = None
     heads: MeshAxes = None
     kv_heads: MeshAxes = None
     head_dim: MeshAxes = None
     mlp: MeshAxes = None
     latent: MeshAxes = None  # MLA's low-rank latents, as outputs
-    lora: MeshAxes = "fsdp"  # the same latents as the input of the up-projections
-    experts: MeshAxes = None  # the expert axis of routed-expert weights
-    expert_embed: MeshAxes = "fsdp"  # their embed axis
+    lora: MeshAxes = ("fsdp", "expert")  # the same latents as the input of up-projections
+    # The routed-expert weights' expert axis, at rest: the expert groups' share of the experts,
+    # FSDP-sharded along the same axis (MaxText's shard_exp_on_fsdp). Gathered for a layer,
+    # it is the major axis of the stack, so XLA needs no transposed copy of the stack to
+    # concatenate it (along their width: one, 19.3 GiB a GB200 for DeepSeek-V3).
+    experts: MeshAxes = ("expert", "fsdp")
+    expert_embed: MeshAxes = None  # their embed axis
+    exchange: MeshAxes = "expert"  # the devices of one expert group, which exchange tokens
     layers: MeshAxes = None
     mesh: Mesh | AbstractMesh | None = None  # abstract when exporting without devices
-
-    def expert_parallel(self) -> "AxisRules":
-        """Routed experts split over the fsdp devices, each whole on its device, instead of
-        FSDP-sharded and gathered for every layer."""
-        return dataclasses.replace(self, experts="fsdp", expert_embed=None)
 
     def sharding(self, logical: tuple[str | None, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical))
 
     def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
-        mapped = [getattr(self, name) if name else None for name in logical]
+        mapped = [self._present(getattr(self, name)) if name else None for name in logical]
         used = [a for m in mapped if m for a in ((m,) if isinstance(m, str) else m)]
         if len(used) != len(set(used)):
             raise ValueError(f"logical axes {logical} map a mesh axis twice: {mapped}")
         return PartitionSpec(*mapped)
+
+    def size(self, logical: str) -> int:
+        """How many shards the mesh splits a logical axis into."""
+        axes = self._present(getattr(self, logical))
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def _present(self, axes: MeshAxes) -> MeshAxes:
+        """`axes` less those the mesh does not have (size 1)."""
+        if axes is None or self.mesh is None:
+            return axes
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
+                     if a in self.mesh.axis_names)
+        if not kept:
+            return None
+        return kept[0] if isinstance(axes, str) or len(kept) == 1 else kept
 
 
 def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None):

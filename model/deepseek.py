@@ -170,13 +170,13 @@ UNQUANTIZED = ("router", *EXPERT_WEIGHTS)  # matrices kept out of NVFP4
 def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParallel | None,
             axis: str | None):
     """Tokens x [B, T, D] through the router and their experts: (output, load [E], balance,
-    pairs dropped)."""
+    pairs dropped per expert [E])."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     weights, experts, scores = route(tokens, w["router"], w["router_bias"], cfg)
     if parallel is None:
         routed = EXPERT_PATHS[expert_path](tokens, weights, experts, w, cfg.n_experts)
-        dropped = jnp.zeros((), jnp.int32)
+        dropped = jnp.zeros((cfg.n_experts,), jnp.int32)
     else:
         routed, dropped = experts_exchanged(tokens, weights, experts, w, cfg.n_experts,
                                             parallel, axis)
@@ -186,10 +186,10 @@ def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParalle
 
 def _per_device(routed, rules: AxisRules):
     """Run `routed` on each device's own tokens (without this, XLA gathers every token of the
-    batch to route and sort them). Expert weights arrive whole (FSDP) or, under expert
-    parallelism, as the device's own experts."""
+    batch to route and sort them). Expert weights arrive gathered over their FSDP shards:
+    every expert, or under expert parallelism the device's own."""
     batch = rules.spec(("batch", None, None))
-    experts = rules.spec(("experts", None, None))
+    experts = rules.spec(("exchange", None, None))
     specs = {"router": PartitionSpec(), "router_bias": PartitionSpec(),
              **{name: experts for name in EXPERT_WEIGHTS}}
 
@@ -205,11 +205,11 @@ def _per_device(routed, rules: AxisRules):
 def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = None,
         parallel: ExpertParallel | None = None):
     """Routed experts + shared experts on [B, T, D]; also each expert's token count [E], the
-    balance term and the (token, expert) pairs dropped for lack of room."""
-    if parallel is not None and rules is not None and not isinstance(rules.experts, str):
+    balance term and each expert's (token, expert) pairs dropped for lack of room [E]."""
+    axis = rules.spec(("exchange",))[0] if rules is not None else None
+    if parallel is not None and rules is not None and not isinstance(axis, str):
         raise ValueError("expert parallelism needs the experts axis on one mesh axis")
-    routed = partial(_routed, cfg=cfg, expert_path=expert_path, parallel=parallel,
-                     axis=rules.experts if rules is not None else None)
+    routed = partial(_routed, cfg=cfg, expert_path=expert_path, parallel=parallel, axis=axis)
     if rules is not None:
         routed = _per_device(routed, rules)
     experts = {k: w[k] for k in ("router", "router_bias", *EXPERT_WEIGHTS)}
@@ -237,7 +237,7 @@ def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None)
 def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted",
               attention=None, parallel=None):
     """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar,
-    "expert_dropped": pairs})."""
+    "expert_dropped": pairs per expert [E]})."""
     x = _attention_half(x, w, cfg, cos, sin, rules, attention)
     with jax.named_scope("moe"):
         out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path, rules,
@@ -260,10 +260,10 @@ def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
            quantization: Quantization | None = None):
     """tokens [B, T] -> (the last layer's output [B, T, D], before the final norm; per MoE
     layer {"expert_load": tokens per expert [L_moe, E], "balance_loss": [L_moe],
-    "expert_dropped": [L_moe]}).
+    "expert_dropped": [L_moe, E]}).
 
     `policies` maps a scan (SCANS) to the `jax.checkpoint` policy of each of its layers.
-    `expert_parallel` splits the routed experts over the devices of `rules.experts`.
+    `expert_parallel` splits the routed experts over the devices of the `exchange` axis.
     `quantization` multiplies the attention, dense-MLP and shared-expert matrices in NVFP4;
     the router and the routed experts (grouped GEMMs, as in MaxText's TE path) stay as they
     are.

@@ -1,5 +1,6 @@
 """Routed experts on one device's tokens: every expert densely, sorted grouped GEMMs, or
-split over devices (expert parallelism) with a fixed-size block per expert.
+split over the devices of one mesh axis (expert parallelism) with a fixed-size block per
+expert, exchanged by all-to-alls inside that axis.
 
 Letters: S tokens, D d_model, F expert MLP width, E experts, k experts per token; under
 expert parallelism P devices, C rows per block, l a device's own experts.
@@ -121,7 +122,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertParallel,
                       axis: str | None):
     """Expert parallelism on one device: x [S, D] its tokens, w its E/P experts. Returns the
-    routed output [S, D] and how many (token, expert) pairs found their block full (dropped).
+    routed output [S, D] and, per expert [E], how many of this device's (token, expert) pairs
+    found their block full (dropped).
     Without `axis` (one device's share traced alone, as the memory plan does) the exchange is
     the identity: the same shapes, no communication."""
     P, local = parallel.devices, n_experts // parallel.devices
@@ -148,5 +150,6 @@ def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertPa
     out = checkpoint_name(jnp.einsum("lrf,lfd->lrd", jax.nn.silu(gate) * up, w["we_down"]),
                           "moe_mlpwo")
     back = exchange(rearrange(out, "l (p c) d -> p (l c) d", p=P))
+    dropped = jnp.zeros((n_experts,), jnp.int32).at[chosen].add((~kept).astype(jnp.int32))
     return (_combine(rearrange(back, "p lc d -> (p lc) d"), weights, slot_pairs, pair_slots),
-            jnp.sum(~kept))
+            dropped)

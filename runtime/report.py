@@ -50,7 +50,7 @@ def _policy_line(tables: dict | None) -> str:
 
 def kernels_line(model, run, mesh, target) -> str:
     """The kernels the target's step uses: attention, NVFP4 path, experts."""
-    options = forward_options(model, run, mesh.shape["fsdp"], target)
+    options = forward_options(model, run, target)
     parts = []
     for name, value in options.items():
         if name == "quantization":
@@ -60,8 +60,8 @@ def kernels_line(model, run, mesh, target) -> str:
         else:
             room = (f"blocks {value.capacity:g}x the balanced share" if value.capacity
                     else "blocks sized for the worst case: dropless")
-            devices = f"{value.devices} device" + "s" * (value.devices > 1)
-            parts.append(f"experts split over {devices} ({room}; one GEMM per expert)")
+            parts.append(f"experts split over the {value.devices} devices of each expert "
+                         f"group ({room}; one GEMM per expert)")
     return ", ".join(parts)
 
 
@@ -264,7 +264,9 @@ class StepLog:
         tflops = self.flops / seconds / 1e12
         eta = statistics.median(self.times) * (self.run.steps - step)
         experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}, dropped "
-                   f"{values['expert_dropped']:.2%}" if "expert_dropped" in values else "")
+                   f"{values['expert_dropped']:.2%} (worst expert group "
+                   f"{values['expert_dropped_worst_group']:.2%})" if "expert_dropped" in values
+                   else "")
         say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {values['loss']:.4f}"
             f"  {seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
             f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s{experts}")

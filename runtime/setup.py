@@ -44,16 +44,18 @@ def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str
                  devices: tuple):
     """(scale, why). Full scale needs exactly the accelerators of the (overridden) full mesh."""
     mesh = configs.apply_overrides(*experiment.at_scale("full"), overrides)[1].mesh
-    if mesh.data < 1:
-        raise ConfigError(f"mesh.data={mesh.data} must be at least 1")
-    need = mesh.data * mesh.fsdp if mesh.fsdp > 0 else None  # fsdp=-1: any multiple of data
+    if mesh.data < 1 or mesh.expert < 1:
+        raise ConfigError(f"mesh.data={mesh.data} and mesh.expert={mesh.expert} must be at "
+                          "least 1")
+    need = mesh.devices if mesh.fsdp > 0 else None  # fsdp=-1: any multiple of data x expert
     have = f"{len(devices)} {devices[0].platform} device(s)"
     enough = devices[0].platform != "cpu" and (
-        len(devices) == need if need else len(devices) % mesh.data == 0)
+        len(devices) == need if need else len(devices) % (mesh.data * mesh.expert) == 0)
     if requested == "full" and not enough:
-        count = need or f"a multiple of {mesh.data}"
+        count = need or f"a multiple of {mesh.data * mesh.expert}"
         raise ConfigError(f"{experiment.name} at full scale needs {count} accelerators (mesh "
-                          f"data={mesh.data} x fsdp={mesh.fsdp}); this machine has {have}")
+                          f"data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert}); this "
+                          f"machine has {have}")
     if requested == "proxy" or not enough:
         why = "asked for" if requested == "proxy" else f"full scale needs {need} accelerators"
         return "proxy", f"{why}; this machine has {have}"
@@ -90,7 +92,7 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
                               f"but {experiment.name} trains a {type(experiment.model).__name__}")
     if full and run.mesh.fsdp < 1:
         raise ConfigError("full scale without its GPUs needs the mesh spelled out: set mesh.fsdp")
-    check(model, run, run.mesh.data * run.mesh.fsdp if full else len(devices))
+    check(model, run, run.mesh.devices if full else len(devices))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
     setup = Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
@@ -155,9 +157,8 @@ def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
     run = setup.run
     if run.attention == "cudnn" and target.platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
-    mesh = common.make_mesh(run.mesh.shape(len(target.devices)), ("data", "fsdp"),
-                            devices=target.devices)
-    rules, optimizer = step_build.axis_rules(run, mesh), make_optimizer(run.optimizer, run.steps)
+    mesh = step_build.make_mesh(run, target.devices)
+    rules, optimizer = common.AxisRules(mesh=mesh), make_optimizer(run.optimizer, run.steps)
     if run.optimizer_state == "host" and target.gpu is None:
         check_host_state(setup, target, rules, optimizer)
     return rules, optimizer
@@ -197,7 +198,7 @@ def build(setup: Setup, target: Target) -> Built:
         abstract = step_build.abstract_state(setup.model, run, rules, optimizer)
         arrived = memory.moment_bytes(abstract["opt_state"])
     full = setup.experiment
-    if (full.model, full.run, (full.run.mesh.data, full.run.mesh.fsdp)) == (
+    if (full.model, full.run, full.run.mesh.shape(full.run.mesh.devices)) == (
             setup.model, run, mesh_shape):  # this run is the full-scale one: plan it once
         full_plan = plan.full_scale(full, setup.tables, hlo)
         return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan,

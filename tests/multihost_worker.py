@@ -46,23 +46,22 @@ COMMON = ["steps=2", "seq=32", "quant=none"]
 RUNS = {
     "llama": ["multihost-llama", f"init_from={FIXTURES / 'llama_gqa'}", *COMMON],
     "deepseek": ["deepseek671b-offload", f"init_from={FIXTURES / 'deepseek_yarn'}",
-                 "expert_parallel=true", "profile=true", "checkpoint_every=2", *COMMON],
+                 "mesh.expert=4", "profile=true", "checkpoint_every=2", *COMMON],
 }
 COMPARISON = ("multihost-llama", ("llama405b-offload",))
-IMPORTS = {"llama_gqa": False, "deepseek_yarn": True}  # fixture -> expert parallelism
+IMPORTS = {"llama_gqa": 1, "deepseek_yarn": 4}  # fixture -> the mesh's expert axis
 
 
-def shardings(cfg, expert_parallel: bool, mesh):
+def shardings(cfg, mesh):
     """The parameters' shardings as a run makes them (FSDP, experts split or not)."""
-    rules = trainer_build.axis_rules(configs.RunConfig(expert_parallel=expert_parallel), mesh)
-    return common.param_shardings(families.of(cfg).param_specs(cfg), rules)
+    return common.param_shardings(families.of(cfg).param_specs(cfg), common.AxisRules(mesh=mesh))
 
 
-def sharded_import(fixture: str, expert_parallel: bool, mesh) -> dict:
+def sharded_import(fixture: str, mesh) -> dict:
     """The fixture imported as a run imports it: its parameters gathered whole, the logits of
     expected.npz's tokens, the bytes read and the bytes this process's devices hold."""
     cfg, checkpoint = open_checkpoint(FIXTURES / fixture)
-    params = checkpoint.arrays(shardings(cfg, expert_parallel, mesh), jnp.float32)
+    params = checkpoint.arrays(shardings(cfg, mesh), jnp.float32)
     held = 0
     for array in jax.tree.leaves(params):
         boxes = {tuple(s.indices(n)[:2] for s, n in zip(index, array.shape))
@@ -102,17 +101,18 @@ def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
     return flat(multihost_utils.process_allgather(state["params"], tiled=True))
 
 
-def make_mesh():
-    return common.make_mesh((1, jax.device_count()), ("data", "fsdp"))
+def make_mesh(expert: int):
+    """A run's data x fsdp x expert mesh over every process's devices."""
+    return trainer_build.make_mesh(configs.RunConfig(mesh=configs.MeshConfig(expert=expert)),
+                                   jax.devices())
 
 
 def main(results: Path, runs: Path, one_process_checkpoint: Path) -> int:
     configs.COMPARISONS[COMPARISON[0]] = COMPARISON[1]
     codes = {name: train.main([*argv, f"out_dir={runs}"]) for name, argv in RUNS.items()}
-    mesh = make_mesh()
     found = {"codes": codes, "process": jax.process_index()}
-    for fixture, expert_parallel in IMPORTS.items():
-        imported = sharded_import(fixture, expert_parallel, mesh)
+    for fixture, expert in IMPORTS.items():
+        imported = sharded_import(fixture, make_mesh(expert))
         for key in ("bytes_read", "held"):
             found.setdefault(key, {})[fixture] = imported[key]
         if jax.process_index() == 0:

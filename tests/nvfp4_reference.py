@@ -38,23 +38,42 @@ def to_e4m3(x):
     return round_to_format(x, mantissa_bits=3, min_exponent=-6)
 
 
+def encode_scale(amax: float) -> float:
+    """S_enc = 2688 / amax, at most FLT_MAX; 1 when amax is 0 (or S_enc underflows)."""
+    with np.errstate(divide="ignore"):
+        s_enc = min(float(f32(2688.0 / amax)), FLT_MAX)
+    return 1.0 if amax == 0 or s_enc == 0 else s_enc
+
+
+# The block scale's three roundings of block_amax x S_enc / 6 in FP32. Transformer Engine's
+# kernel multiplies S_enc by the FP32 constant 1/6 first, then the block's amax; the others
+# are what the formula reads as, and each differs from it on some blocks.
+ORDERS = {
+    "te": lambda amax, s_enc: f32(amax * f32(s_enc * f32(1 / 6))),
+    "amax x S_enc / 6": lambda amax, s_enc: f32(f32(amax * s_enc) / 6),
+    "amax / 6 x S_enc": lambda amax, s_enc: f32(f32(amax / 6) * s_enc),
+}
+
+
+def block_scale(block_amax, s_enc: float, order: str = "te"):
+    """The E4M3 block scales of blocks with amax `block_amax`, at most 448."""
+    return to_e4m3(np.minimum(ORDERS[order](block_amax, s_enc), 448.0))
+
+
 def tile_axis(ndim: int, axis: int) -> int:
     return max(a for a in range(ndim) if a != axis)
 
 
-def encode(w, axis: int, two_d: bool = False):
-    """NVFP4 of `w` -> (codes, block_scales, tensor_scale), all float64 values.
+def encode(w, axis: int, two_d: bool = False, order: str = "te"):
+    """NVFP4 of `w` -> (codes, block_scales, tensor_scale), all float64 values; `order`: the
+    block scale's rounding order (`block_scale`), Transformer Engine's unless asked.
 
     codes have w's shape; block_scales have w's shape with `axis` divided by 16 (one per
     16 elements along `axis`; with `two_d`, one per 16x16 tile, repeated over its rows).
     """
     x = f32(w)
     axis %= x.ndim
-    amax = np.max(np.abs(x))
-    with np.errstate(divide="ignore"):
-        s_enc = min(f32(2688.0 / amax), FLT_MAX)
-    if amax == 0 or s_enc == 0:
-        s_enc = 1.0
+    s_enc = encode_scale(np.max(np.abs(x)))
     s_dec = f32(1.0 / s_enc)
 
     axes = [tile_axis(x.ndim, axis), axis] if two_d else [axis]
@@ -66,10 +85,10 @@ def encode(w, axis: int, two_d: bool = False):
         tile_amax = np.max(rows, axis=-2, keepdims=True)
         block_amax = np.broadcast_to(tile_amax, rows.shape).reshape(block_amax.shape)
 
-    scales = to_e4m3(np.minimum(f32(block_amax * f32(s_enc * f32(1 / 6))), 448.0))
+    scales = block_scale(block_amax, s_enc, order)
     with np.errstate(divide="ignore"):
-        encode_scale = np.minimum(f32(1.0 / f32(scales * s_dec)), FLT_MAX)
-    codes = to_e2m1(np.clip(f32(blocks * encode_scale[..., None]), -6.0, 6.0))
+        inverse = np.minimum(f32(1.0 / f32(scales * s_dec)), FLT_MAX)
+    codes = to_e2m1(np.clip(f32(blocks * inverse[..., None]), -6.0, 6.0))
 
     codes = np.moveaxis(codes.reshape(moved.shape), list(range(-len(axes), 0)), axes)
     scales = np.moveaxis(scales, list(range(-len(axes), 0)), axes)

@@ -110,16 +110,23 @@ ENTRY %main () -> (s32[], f32[4,8]) {
 RIGHT_WALK = '{"loop_index":"0","byte_offset":"96","byte_stride":"-32"}'
 
 
-def hand_written(index="%reverse", read=RIGHT_WALK, trip="4"):
-    def loop(n):
-        known = {"known_trip_count": {"n": n}} if n else {}
-        return "backend_config=" + json.dumps({**known, "known_init_step": {
-            "init": "0", "step": "1"}}, separators=(",", ":"))
+FORWARD_WALK = '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}'
 
-    write = '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}'
+
+def loop(n: str) -> str:
+    """A while loop's backend config: its trip count `n` (none when empty)."""
+    known = {"known_trip_count": {"n": n}} if n else {}
+    return "backend_config=" + json.dumps({**known, "known_init_step": {
+        "init": "0", "step": "1"}}, separators=(",", ":"))
+
+
+def walk(config: str) -> str:
+    return 'backend_config={"dynamic_slice_config":%s}' % config
+
+
+def hand_written(index="%reverse", read=RIGHT_WALK, trip="4"):
     return (HAND_WRITTEN.replace("INDEX", index)
-            .replace("WRITE", 'backend_config={"dynamic_slice_config":%s}' % write)
-            .replace("READ", 'backend_config={"dynamic_slice_config":%s}' % read)
+            .replace("WRITE", walk(FORWARD_WALK)).replace("READ", walk(read))
             .replace("LOOP4", loop("4")).replace("LOOPTRIP", loop(trip)))
 
 
@@ -129,7 +136,7 @@ def hand_written(index="%reverse", read=RIGHT_WALK, trip="4"):
                  '{"byte_offset":"96","byte_stride":"-32"}}', addressing.CHECKED,
      "read back layer 3 first"),  # jaxlib 0.12's nesting of the same walk
     # The descriptor walks forward, the index backward (jaxlib 0.10.2's bug):
-    ("%reverse", '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}', addressing.WRONG,
+    ("%reverse", FORWARD_WALK, addressing.WRONG,
      "read 0 (read, iteration 0 of loop bwd) means layer 3 (the loop passes index 3), but "
      "XLA's descriptor byte_offset 0, byte_stride +32 addresses layer 0"),
     # The descriptor walks backward, the index forward:
@@ -137,7 +144,7 @@ def hand_written(index="%reverse", read=RIGHT_WALK, trip="4"):
      "layer 0 (the loop passes index 0), but XLA's descriptor byte_offset 96, byte_stride -32 "
      "addresses layer 3"),
     # Both walk forward, in agreement: the reads are not the reverse of the writes.
-    ("%j", '{"loop_index":"0","byte_offset":"0","byte_stride":"32"}', addressing.WRONG,
+    ("%j", FORWARD_WALK, addressing.WRONG,
      "the backward pass's read 0 is layer 0, but the forward pass wrote layer 3 at step 3"),
     ("%reverse", '{"loop_index":"0","offset_table":["96"]}', addressing.UNVERIFIED,
      "read: a descriptor this proof does not read"),
@@ -147,6 +154,118 @@ def hand_written(index="%reverse", read=RIGHT_WALK, trip="4"):
 def test_each_half_of_the_proof_can_fail(index, read, verdict, says):
     (proof,) = addressing.prove(hand_written(index, read))
     assert proof.verdict == verdict and proof.detail.startswith(says), proof.detail
+
+
+# HAND_WRITTEN with several host buffers, as XLA compiles several offloaded tags of one layer
+# scan: carried through one forward loop that writes layer i of each and one backward loop
+# that reads each with its own slice. Per buffer k: GET (its element of the loop state),
+# WRITE, READ (with its own INDEX and descriptor); STATE: the loop state's shape.
+SEVERAL = """HloModule several, is_scheduled=true
+
+%forward (p: STATE) -> STATE {
+  %p = STATE parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  GET(stack, p)
+  %zero = f32[] constant(0)
+  %row = f32[1,8]{1,0} broadcast(%zero), dimensions={}
+  %c0 = s32[] constant(0)
+  WRITE
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = STATE tuple(%next, EACH(written))
+}
+
+%back (q: STATE) -> STATE {
+  %q = STATE parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  GET(held, q)
+  %last = s32[] constant(3)
+  %reverse = s32[] subtract(%last, %j)
+  %d0 = s32[] constant(0)
+  READ
+  %step = s32[] constant(1)
+  %after = s32[] add(%j, %step)
+  ROOT %back = STATE tuple(%after, EACH(held))
+}
+
+%more (c: STATE) -> pred[] {
+  %c = STATE parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %layers = s32[] constant(4)
+  ROOT %below = pred[] compare(%k, %layers), direction=LT
+}
+
+ENTRY %main () -> STATE {
+  ALLOCATE
+  %start = s32[] constant(0)
+  %init = STATE tuple(%start, EACH(stacked))
+  %fwd = STATE while(%init), condition=%more, body=%forward, LOOP4
+  GET(saved, fwd)
+  %again = STATE tuple(%start, EACH(saved))
+  ROOT %bwd = STATE while(%again), condition=%more, body=%back, LOOP4
+}
+"""
+STACK = "f32[4,8]{1,0:S(5)}"
+
+
+def several_buffers(reads: list[tuple[str, str]]) -> str:
+    """SEVERAL with one host buffer per (index, read descriptor) of `reads`."""
+    each = range(len(reads))
+
+    def lines(line):  # one line per buffer, indented as the computations are
+        return "\n  ".join(line(k) for k in each)
+
+    text = SEVERAL
+    for name, tuple_ in (("stack", "p"), ("held", "q"), ("saved", "fwd")):
+        text = text.replace(f"GET({name}, {tuple_})", lines(
+            lambda k: f"%{name}.{k} = {STACK} get-tuple-element(%{tuple_}), index={k + 1}"))
+    for name in ("written", "held", "stacked", "saved"):
+        text = text.replace(f"EACH({name})", ", ".join(f"%{name}.{k}" for k in each))
+    return (text.replace("WRITE", lines(
+                lambda k: f"%written.{k} = {STACK} dynamic-update-slice(%stack.{k}, %row, %i, "
+                          f"%c0), {walk(FORWARD_WALK)}"))
+            .replace("READ", lines(
+                lambda k: f"%read.{k} = f32[1,8]{{1,0}} dynamic-slice(%held.{k}, {reads[k][0]}, "
+                          f"%d0), dynamic_slice_sizes={{1,8}}, {walk(reads[k][1])}"))
+            .replace("ALLOCATE", lines(
+                lambda k: f'%stacked.{k} = {STACK} custom-call(), '
+                          f'custom_call_target="AllocateBuffer"'))
+            .replace("STATE", f"(s32[], {', '.join([STACK] * len(reads))})")
+            .replace("LOOP4", loop("4")))
+
+
+RIGHT = ("%reverse", RIGHT_WALK)
+FORWARD_READS = {  # two ways to read layer 0 back first instead of layer 3:
+    "descriptor": (("%reverse", FORWARD_WALK), "read 0 (read.{k}, iteration 0 of loop bwd) "
+                   "means layer 3 (the loop passes index 3), but XLA's descriptor byte_offset "
+                   "0, byte_stride +32 addresses layer 0"),
+    "index and descriptor": (("%j", FORWARD_WALK), "the backward pass's read 0 is layer 0, "
+                             "but the forward pass wrote layer 3 at step 3"),
+}
+
+
+@pytest.mark.parametrize("how", list(FORWARD_READS))
+@pytest.mark.parametrize("wrong", [0, 1, 2])
+def test_of_several_host_buffers_only_the_one_read_walking_forward_is_wrong(wrong, how):
+    """Three host buffers in one program, every one read back layer 3 first but one: the
+    proof flags that one, by name, and checks the others (a verdict per buffer, from that
+    buffer's own accesses)."""
+    read, says = FORWARD_READS[how]
+    reads = [read if k == wrong else RIGHT for k in range(3)]
+    proofs = addressing.prove(several_buffers(reads))
+    assert [p.buffer.name for p in proofs] == ["stacked.0", "stacked.1", "stacked.2"]
+    for k, proof in enumerate(proofs):
+        if k == wrong:
+            assert proof.verdict == addressing.WRONG, proof.detail
+            assert proof.detail.startswith(says.format(k=k)), proof.detail
+        else:
+            assert (proof.verdict, proof.detail) == (addressing.CHECKED,
+                                                     "read back layer 3 first: checked")
+
+
+def test_several_host_buffers_all_read_back_in_reverse_are_all_checked():
+    proofs = addressing.prove(several_buffers([RIGHT] * 3))
+    assert [p.verdict for p in proofs] == [addressing.CHECKED] * 3
 
 
 def test_what_it_cannot_follow_is_never_a_pass():

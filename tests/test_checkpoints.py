@@ -103,9 +103,10 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
 
 def test_deepseek_resume_with_router_bias_updates_is_bit_identical(tmp_path, capsys):
     whole, resumed, out = run_and_resume(
-        "deepseek671b-offload", ["expert_parallel=true"], tmp_path, capsys)
+        "deepseek671b-offload", ["mesh.expert=4"], tmp_path, capsys)
     assert "671,026,419,200 parameters" in out and "moe_layers" in out
-    assert "experts split over 8 devices (blocks 1.25x the balanced share;" in out
+    assert "experts split over the 4 devices of each expert group (blocks 1x the balanced " \
+        "share;" in out
     records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert all(r["expert_load_max_over_mean"] >= 1 for r in records)
     assert all(0 <= r["expert_dropped"] < 1 for r in records)

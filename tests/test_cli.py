@@ -1,8 +1,11 @@
 """The command line: bad input is one line and exit status 2 before anything is compiled or
 written, whatever the word or flag; the list, the exit statuses, the comparisons' mechanics."""
 
+import dataclasses
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +56,21 @@ BAD_INPUT = {
     "width NVFP4 cannot block": ["llama405b-offload", "model.d_ff=1000"],
     "unknown NVFP4 tiles": ["llama405b-offload", "quant_tiles=8x8"],
     "unknown quantization": ["llama405b-offload", "quant=int4"],
-    "experts not divisible": ["deepseek671b-offload", "expert_parallel=true", "mesh.fsdp=8",
+    "experts not divisible": ["deepseek671b-offload", "mesh.expert=8", "mesh.fsdp=1",
                               "model.n_experts=12", "model.n_groups=4"],
+    "expert axis on a dense model": ["llama405b-offload", "mesh.expert=2", "mesh.fsdp=4"],
+    "expert axis not dividing the devices": ["deepseek671b-offload", "mesh.expert=3"],
+    "expert axis below one": ["deepseek671b-offload", "mesh.expert=0"],
     "negative expert capacity": ["deepseek671b-offload", "expert_capacity=-1"],
     "negative seed": ["llama405b-offload", "seed=-1"],
     "seed past numpy's range": ["llama405b-offload", f"seed={2**64}"],
     "negative checkpoint interval": ["llama405b-offload", "checkpoint_every=-1"],
+    "negative router bias rate": ["deepseek671b-offload", "router_bias_rate=-0.01"],
+    "negative balance loss weight": ["deepseek671b-offload", "balance_loss_weight=-1"],
+    "negative yarn mscale": ["deepseek671b-offload", "model.rope_scaling.mscale=-1"],
+    "fsdp neither -1 nor positive": ["llama405b-offload", "mesh.fsdp=-2"],
+    "no checkpoint kept": ["llama405b-offload", "keep=0"],
+    "negative warmup": ["llama405b-offload", "optimizer.warmup_steps=-1"],
     # Words and flags the command line does not use:
     "a stray word": ["llama405b-offload", "offload"],
     "an unknown flag": ["llama405b-offload", "--plann"],
@@ -75,6 +87,148 @@ def test_bad_input_is_one_line_and_status_2(args, tmp_path, capsys):
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())  # stopped before any run folder was made
+
+
+def _numeric_fields(cls, prefix: str = ""):
+    """The dotted paths of the int and float fields (None allowed, bool not) of config
+    dataclass `cls` and of the config groups it nests, read off their type hints."""
+    for name, kind in typing.get_type_hints(cls).items():
+        options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        for option in options:
+            if dataclasses.is_dataclass(option):
+                yield from _numeric_fields(option, f"{prefix}{name}.")
+            elif option in (int, float):
+                yield prefix + name
+
+
+def test_every_numeric_field_has_a_range():
+    """A numeric field added to a run or model config without an entry in configs.RANGES (or
+    an entry for a field that is gone) fails here."""
+    fields = {*_numeric_fields(configs.RunConfig), *_numeric_fields(configs.LlamaConfig, "model."),
+              *_numeric_fields(configs.DeepSeekConfig, "model.")}
+    assert "optimizer.b1" in fields and "model.rope_scaling.mscale" in fields  # nested groups
+    assert fields == set(configs.RANGES)
+
+
+# Values each rule of configs.RANGES refuses, and the values at its edges, which it takes.
+OUTSIDE = {"> 0": (0, -1), ">= 0": (-1,), ">= 1": (0,), "in [0, 1)": (-0.1, 1),
+           "in [0, 1]": (-0.1, 1.5), "in [0, 2**63)": (-1, 2**63), "-1 or >= 1": (0, -2)}
+EDGE = {"> 0": (1e-9,), ">= 0": (0,), ">= 1": (1,), "in [0, 1)": (0, 0.999),
+        "in [0, 1]": (0, 1), "in [0, 2**63)": (0, 2**63 - 1), "-1 or >= 1": (-1, 1)}
+
+
+def _with(key: str, value) -> list[str]:
+    """configs.problems of a sound proxy run with `key` set to `value` (DeepSeek's, or Llama's
+    for a field only Llama has) on 8 devices, or on those a mesh spelled out takes."""
+    for name in ("deepseek671b-offload", "llama405b-offload"):
+        model, run = configs.get(name).at_scale("proxy")
+        has = model if key.startswith("model.") else run
+        for part in key.split(".")[key.startswith("model."):]:
+            has = getattr(has, part, None)
+        if has is not None:
+            model, run = configs.apply_overrides(model, run, {key: str(value)})
+            return configs.problems(model, run, run.mesh.devices if run.mesh.fsdp > 0 else 8)
+    raise AssertionError(f"no experiment has {key}")
+
+
+# Run fields whose range a more specific check words (configs._expert_problems); and the
+# model fields the model's own problems() leaves to the table.
+ONLY_THE_TABLE = {"model.rope_scaling.mscale", "model.rope_scaling.mscale_all_dim"}
+
+
+@pytest.mark.parametrize("key", configs.RANGES)
+def test_each_field_out_of_its_range_is_reported(key):
+    """Every field of the table, just outside its range, is refused once: a run field in the
+    one form `key=value must be RANGE`, a model field by the model itself where it says more
+    (its group's line for the RoPE scaling fields), and then not again by the table."""
+    rule = configs.RANGES[key]
+    for value in OUTSIDE[rule.partition(" (")[0]]:
+        found = _with(key, value)
+        said = [line for line in found if line.startswith(f"{key}=")
+                and line.endswith(f" must be {rule}")]
+        if not key.startswith("model.") or key in ONLY_THE_TABLE:
+            assert said and found[0] == said[0], found
+        else:
+            group = key.rsplit(".", 1)[0]
+            assert key in found[0] or (group != "model" and found[0].startswith(group + ":"))
+            assert not said, found
+
+
+def test_the_range_message_form():
+    assert _with("router_bias_rate", -0.01) == ["router_bias_rate=-0.01 must be >= 0"]
+    assert _with("balance_loss_weight", -1) == ["balance_loss_weight=-1.0 must be >= 0"]
+
+
+# What the values meant before the table, written out apart from it: taken, and refused.
+TAKEN = [("global_batch", 0), ("checkpoint_every", 0), ("mesh.fsdp", -1), ("expert_capacity", 0),
+         ("seed", 0), ("seed", 2**63 - 1), ("optimizer.min_lr_ratio", 0),
+         ("optimizer.min_lr_ratio", 1), ("optimizer.b1", 0), ("optimizer.b2", 0.999),
+         ("optimizer.warmup_steps", 0), ("optimizer.weight_decay", 0), ("router_bias_rate", 0),
+         ("balance_loss_weight", 0), ("model.rope_scaling.mscale", 0)]
+REFUSED = [("mesh.expert", 0), ("mesh.data", 0), ("mesh.fsdp", 0), ("seed", 2**63),
+           ("optimizer.b1", 1), ("optimizer.b2", 1), ("optimizer.min_lr_ratio", 1.01),
+           ("optimizer.lr", 0), ("optimizer.clip_norm", 0), ("keep", 0), ("steps", 0),
+           ("per_device_batch", 0), ("loss_chunks", 0)]
+
+
+@pytest.mark.parametrize(("key", "value"), TAKEN + REFUSED)
+def test_the_ranges_keep_their_meaning(key, value):
+    assert (_with(key, value) == []) == ((key, value) in TAKEN)
+
+
+@pytest.mark.parametrize("key", [k for k in configs.RANGES if not k.startswith("model.")])
+def test_each_run_field_at_the_edge_of_its_range_is_taken(key):
+    """The values with a meaning (global_batch=0, checkpoint_every=0, mesh.fsdp=-1,
+    expert_capacity=0, the last numpy seed, b1=0, min_lr_ratio=1, ...) are accepted."""
+    for value in EDGE[configs.RANGES[key].partition(" (")[0]]:
+        assert _with(key, value) == [], value
+
+
+def test_output_folder_is_checked_before_compiling(tmp_path, capsys, monkeypatch):
+    """--compile and --search (its picture) write into out_dir: one that is a file, or lies
+    under one, is one line and exit status 2 before anything is traced or compiled, and the
+    file is left as it was."""
+    a_file = tmp_path / "runs"
+    a_file.write_text("results")
+
+    def never(*args, **kwargs):
+        raise AssertionError("compiled or searched before out_dir was checked")
+
+    for name in ("build", "compile_only"):
+        monkeypatch.setattr(train, name, never)
+    monkeypatch.setattr(train.search_report, "run_search", never)
+    for mode in ("--compile", "--search"):
+        for out_dir in (a_file, a_file / "sub"):
+            code = train.main(["llama405b-offload", mode, f"out_dir={out_dir}"])
+            err = capsys.readouterr().err
+            assert code == 2 and err == (f"error: out_dir={out_dir}: {a_file} is a file, not a "
+                                         "folder\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"] and a_file.read_text() == "results"
+
+
+def _plan(device: str, capsys) -> list[str]:
+    assert train.main(["llama405b-offload", "--plan", f"device={device}"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_plan_says_whether_it_fits_as_compile_does(capsys):
+    """The plan's verdict in --compile's words: FITS on GB200s (well inside JAX's pool),
+    DOES NOT FIT on H100s (well past it)."""
+    fits = [line for line in _plan("gb200", capsys) if "FIT" in line]
+    assert len(fits) == 1 and fits[0].startswith("FITS: ") and "planned (estimate) of" in fits[0]
+    fits = [line for line in _plan("h100", capsys) if "FIT" in line]
+    assert len(fits) == 1 and fits[0].startswith("DOES NOT FIT: ")
+
+
+def test_plan_says_what_nvfp4_runs_as_on_the_gpu(capsys):
+    """Only Blackwell (compute capability 10) multiplies in FP4; an H200 quantizes and
+    dequantizes the weights and multiplies in the compute dtype."""
+    (line,) = [line for line in _plan("h200", capsys) if line.startswith("weights as NVFP4")]
+    assert "multiplied in FP4" not in line
+    assert ("the layer weights quantized-dequantized to NVFP4, multiplied in the compute dtype: "
+            "no FP4 speed-up (the h200 (compute capability 9.0) has no FP4 tensor cores)") in line
+    (line,) = [line for line in _plan("gb200", capsys) if line.startswith("weights as NVFP4")]
+    assert "multiplied in FP4 on the gb200's FP4 tensor cores" in line
 
 
 def test_bad_files_are_one_line_and_status_2(tmp_path, capsys):

@@ -16,7 +16,7 @@ import pytest
 
 import configs
 import train
-from analysis import addressing, hlo, memory, replay, trace
+from analysis import addressing, hlo, memory, predicted, replay, trace
 from analysis.traced import TracedStep
 from configs.gpus import GPUS
 from configs.llama3 import PIPELINED
@@ -56,9 +56,9 @@ IN_HOST_MEMORY = {
     "llama405b-searched": {("layers", t) for t in ("key_proj", "value_proj", "mlpwi_0",
                                                    "mlpwi_1")},
 }
-# The study's best DeepSeek row compiles at full depth and must fit in the study's memory.
+# The DeepSeek rows whose memory the study gives compile at full depth and must fit in it.
 # (All rows at full depth: benchmarks/compile_table.py, a few minutes here.)
-FULL_DEPTH = {"deepseek671b-offload"}
+FULL_DEPTH = {"deepseek671b-offload", "deepseek671b-offload-nolhs"}
 
 
 @functools.cache
@@ -70,7 +70,7 @@ def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> run
     """What `python train.py NAME ...` does on the experiment's own GPUs (or `device`s) up to
     its first step: resolve against the devices there, then build."""
     run = configs.get(name).run
-    target = gpus(device or run.device, run.mesh.data * run.mesh.fsdp)
+    target = gpus(device or run.device, run.mesh.devices)
     setup = runtime_setup.resolve(name, overrides, target.devices)
     assert setup.scale == "full"
     return runtime_setup.build(setup, target)
@@ -124,6 +124,11 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         qk = experiment.model.qk_nope_dim + experiment.model.qk_rope_dim
         assert {(q[-1], k[-1], v[-1]) for q, k, v in attention} == {
             (qk, qk, experiment.model.v_head_dim)}
+    if family == "deepseek":  # each expert exchange over one expert group, in one NVLink domain
+        found = predicted.exchange_groups(hlo, GPUS[experiment.run.device],
+                                          [d.id for d in built.mesh.devices.flat])["expert"]
+        assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
+        assert not found["crossing"]
     fp4 = experiment.run.quant == "nvfp4" and GPUS[experiment.run.device].capability[0] == 10
     assert ('"__cudnn$blockScaledDot"' in hlo) == fp4
 
@@ -181,7 +186,7 @@ def test_sorted_experts_compile_for_a_gpu():
     target = gpus("h200", 8)
     setup = runtime_setup.resolve("deepseek671b-offload", ["scale=proxy", "compute_dtype=bfloat16"],
                           target.devices)
-    assert not setup.run.expert_parallel
+    assert setup.run.mesh.expert == 1
     built = runtime_setup.build(setup, target)
     hlo = built.compiled.as_text()
     assert "ragged_dot" in hlo and custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
@@ -226,7 +231,9 @@ def test_compile_command_prints_compiled_memory_beside_the_plan(capsys, tmp_path
     assert out.count("pinned host, stacked in memory space S(5): read back layer 1 first: "
                      "checked") == 3
     assert re.search(r"device total\s+[\d.]+ GiB\s+[\d.]+ GiB", out)
-    assert "FITS" in out and "XLA_CLIENT_MEM_FRACTION=0.95 x 184.3 GiB" in out
+    assert re.search(r"^FITS: [\d.]+ GiB compiled of ", out, re.M)
+    assert "XLA_CLIENT_MEM_FRACTION=0.95 x 184.3 GiB" in out
+    assert "all-to-alls: expert exchanges: none; XLA's resharding: " in out
     assert "cuDNN workspaces (0 without a GPU)" in out
     # The step replayed from the compiled schedule, into the run folder.
     step_s = float(re.search(r"replayed from the compiled schedule.*: ([\d.]+) s,", out).group(1))
@@ -308,6 +315,6 @@ def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():
     built = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
     result = replay.replay(hlo.parse_module(built.compiled.as_text()), GPUS["h200"], 8)
     setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
-    traced = TracedStep(setup.model, setup.run, (1, 8)).work(setup.tables)
+    traced = TracedStep(setup.model, setup.run, (1, 8, 1)).work(setup.tables)
     assert sum(result.flops.values()) == pytest.approx(sum(traced.flops.values()), rel=1e-12)
     assert 0 < result.gemm_s < result.step_s

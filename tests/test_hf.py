@@ -34,8 +34,9 @@ def whole_and_sharded(directory, rules_of_mesh):
 # keeps in one axis (head_dim), through fused gate/up rows (mlp), and across layers' files.
 RULES = {
     "embed and head_dim": lambda mesh: common.AxisRules(embed="data", head_dim="fsdp",
-                                                         mlp="fsdp", expert_embed="data",
-                                                         lora=None, mesh=mesh),
+                                                         mlp="fsdp", experts=None,
+                                                         expert_embed="data", lora=None,
+                                                         mesh=mesh),
     "heads and experts": lambda mesh: common.AxisRules(embed=None, heads="data", kv_heads="data",
                                                         lora="fsdp", experts="data",
                                                         expert_embed="fsdp", mesh=mesh),

@@ -17,7 +17,7 @@ from test_gpu_compile import built_as_a_gpu_run
 from trainer import build, target as trainer_target
 
 GiB = 2**30
-ROWS = {"llama405b-offload": [], "deepseek671b-offload": ["expert_parallel=true"]}
+ROWS = {"llama405b-offload": [], "deepseek671b-offload": ["mesh.expert=4"]}
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))

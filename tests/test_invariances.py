@@ -123,8 +123,9 @@ def test_the_exported_program_offloads_exactly_the_table(name, preset):
               if p == "offload" and t not in NEVER_NEEDED}
     experiment = configs.get(EXPORTED[name][0])
     proxy_model, proxy_run = experiment.at_scale("proxy")
-    for model, run, mesh in [(experiment.model, experiment.run, (1, 128)),
-                             (proxy_model, proxy_run, (1, 8))]:
+    for model, run, mesh in [(experiment.model, experiment.run,
+                              experiment.run.mesh.shape(experiment.run.mesh.devices)),
+                             (proxy_model, proxy_run, (1, 8, 1))]:
         lines = memory.tag_lines(TracedStep(model, run, mesh), tables)
         assert {(x.value.scan, x.value.tag) for x in lines if x.offloaded} == wanted
         assert {x.value.tag for x in lines if not x.needed} == NEVER_NEEDED

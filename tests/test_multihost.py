@@ -65,7 +65,8 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
     printed = capsys.readouterr().out
     # The one-process runs are this suite's end-to-end DeepSeek run and profiled run too.
     assert "671,026,419,200 parameters" in printed and "moe_layers" in printed
-    assert "experts split over 8 devices (blocks 1.25x the balanced share;" in printed
+    assert "experts split over the 4 devices of each expert group (blocks 1x the balanced " \
+        "share;" in printed
     records = [json.loads(line) for line in next(reference.glob(
         "deepseek671b-offload-*/metrics.jsonl")).read_text().splitlines()]
     assert all(r["expert_load_max_over_mean"] >= 1 and 0 <= r["expert_dropped"] < 1
@@ -104,8 +105,8 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
     # only what its devices hold; its logits those of the whole import placed alike on one
     # process's 8 devices, to the reduction-order noise of float32 (~1e-6 of their scale here;
     # a misplaced slice moves them by their scale).
-    mesh = worker.make_mesh()
-    for fixture, expert_parallel in worker.IMPORTS.items():
+    for fixture, expert in worker.IMPORTS.items():
+        mesh = worker.make_mesh(expert)
         cfg, checkpoint = open_checkpoint(worker.FIXTURES / fixture)
         whole = checkpoint.read()
         gathered = np.load(results / f"{fixture}-params.npz")
@@ -114,7 +115,7 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
             np.testing.assert_array_equal(gathered[key], value, err_msg=f"{fixture} {key}")
         for f in found:
             assert f["bytes_read"][fixture] == f["held"][fixture] < checkpoint.reader.bytes_read
-        params = jax.device_put(whole, worker.shardings(cfg, expert_parallel, mesh))
+        params = jax.device_put(whole, worker.shardings(cfg, mesh))
         logits = worker.logits_fn(cfg, mesh)(params, worker.tokens(fixture))
         np.testing.assert_allclose(np.load(results / f"{fixture}-logits.npy"), logits, rtol=0,
                                    atol=1e-5 * np.abs(logits).max(), err_msg=fixture)

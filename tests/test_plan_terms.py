@@ -42,10 +42,6 @@ PER_LAYER = {
 FIGURES = {"arguments": lambda p: p.params + p.device_optimizer,
            "temporaries": lambda p: p.peak_estimate - p.params - p.device_optimizer,
            "host": lambda p: p.host_activations}
-WORKING_SET = ("layer_working_set counts one layer's gathered weights twice (in use and "
-               "prefetched) and its unreduced gradients besides; the compiled backward loop "
-               "gathers no next layer and frees each gathered matrix for its gradient: it "
-               "holds the tagged values and one gathered layer")
 LM_HEAD = ("the plan has no term for the LM head's backward: in each loss chunk XLA gathers "
            "the head in the compute dtype (for the logits, and again for their gradient) and "
            "computes its gradient whole, in fp32 as the logits are, before the reduce-scatter")
@@ -63,7 +59,7 @@ def compiled_step(name: str, overrides: tuple[str, ...]) -> Step:
     compile-only GPUs, and its plan (with the tags where the compiled program put them)."""
     setup = runtime_setup.resolve(name, list(overrides), full=True)
     run = setup.run
-    built = runtime_setup.build(setup, gpus(run.device, run.mesh.data * run.mesh.fsdp))
+    built = runtime_setup.build(setup, gpus(run.device, run.mesh.devices))
     state = build.abstract_state(setup.model, run, built.rules, built.optimizer)
     batch = build.abstract_batch(run, built.rules, len(built.target.devices))
     # With the moments on host, the optimizer's step counts (0-d) stay on the device.
@@ -112,8 +108,9 @@ WHOLE = {
     ("a large vocabulary", "arguments"),
     pytest.param("a large vocabulary", "device",
                  marks=pytest.mark.xfail(strict=True, reason=LM_HEAD)),
-    pytest.param("wide layers over 64 devices", "device",
-                 marks=pytest.mark.xfail(strict=True, reason=WORKING_SET)),
+    # One layer's backward: the compiled loop gathers no next layer ahead and frees each
+    # gathered matrix for its gradient: its tags and one gathered layer.
+    ("wide layers over 64 devices", "device"),
 ])
 def test_a_whole_step_holds_what_the_plan_holds(config, figure):
     """The compiled program's arguments are the planned state and the device's batch, to the

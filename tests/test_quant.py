@@ -87,6 +87,49 @@ def test_matches_reference_bit_for_bit(shape, axis, two_d):
             assert_matches_reference(sample(rng, shape, kind, magnitude), axis, two_d)
 
 
+# E4M3 ties (midpoints of neighbouring scales) from 1/8 to 15: where a block scale rounds one
+# way or the other, so where FP32 rounding orders of the block scale can disagree.
+E4M3_TIES = np.array([(1 + (2 * m + 1) / 16) * 2.0**e for e in range(-3, 4) for m in range(8)])
+
+
+def order_sensitive_blocks(tensor_amax: float, other: str, ulps: int = 8) -> np.ndarray:
+    """Block amaxes (float32, below `tensor_amax`) whose E4M3 scale under S_enc of
+    `tensor_amax` is Transformer Engine's in one rounding order and another in `other`: the
+    float32 values within `ulps` of each amax that lands a scale on an E4M3 tie."""
+    s_enc = ref.encode_scale(tensor_amax)
+    near = (E4M3_TIES * 6 / s_enc).astype(np.float32).view(np.int32)
+    amax = (near[:, None] + np.arange(-ulps, ulps + 1)).view(np.float32).astype(np.float64)
+    amax = amax.ravel()[amax.ravel() < tensor_amax]
+    return amax[ref.block_scale(amax, s_enc) != ref.block_scale(amax, s_enc, other)]
+
+
+# A block's other elements as fractions of its amax: every E2M1 code, both signs.
+FRACTIONS = np.float32([1, -0.97, 0.9, -0.8, 0.71, -0.62, 0.55, -0.46, 0.4, -0.33, 0.29,
+                        -0.2, 0.13, -0.11, 0.04, 0])
+
+
+@pytest.mark.parametrize("other", ["amax x S_enc / 6", "amax / 6 x S_enc"])
+def test_block_scales_round_in_transformer_engines_order(other):
+    """The block scale is amax x (S_enc x 1/6) in FP32 (TE's kernel), which rounds unlike
+    (amax x S_enc) / 6 or amax / 6 x S_enc on some blocks; random data rarely lands on one.
+    Tensors of such blocks, found by search, after a block holding the tensor's amax (which
+    sets S_enc): the encoder's scales and codes are TE's order's, and not the other's."""
+    tensors = 0
+    for tensor_amax in np.float32(1 + np.arange(16) * 2.0**-10):
+        found = order_sensitive_blocks(float(tensor_amax), other)
+        if not found.size:
+            continue
+        tensors += 1
+        amaxes = np.concatenate([[tensor_amax], np.resize(found, 16)])  # one shape: one compile
+        w = (amaxes[:, None] * FRACTIONS).astype(np.float32)
+        assert_matches_reference(w, 1, False)
+        codes, scales, _ = ref.encode(w, 1)
+        other_codes, other_scales, _ = ref.encode(w, 1, order=other)
+        assert np.all(scales[1:] != other_scales[1:])  # every block tells the orders apart
+        assert np.any(codes != other_codes)
+    assert tensors >= 8
+
+
 def test_bfloat16_input_matches_reference():
     w = jnp.asarray(sample(np.random.default_rng(2), (32, 64), "heavy")).astype(jnp.bfloat16)
     assert_matches_reference(w, 1, True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from analysis import hlo, replay
+from analysis import hlo, predicted, replay
 from configs.gpus import GPUS
 
 N = 1 << 20  # elements of the f32 vectors below: 4 MiB each
@@ -89,6 +89,54 @@ ROOT %x = f32[{N}]{{0}} all-to-all(%a), replica_groups={group}, dimensions={{0}}
     assert exchange.step_s == pytest.approx(max(7 / 16 * S / 100e9, 8 / 16 * S / 10e9), rel=1e-9)
 
 
+# An all-to-all issued as XLA issues the expert exchange: a generic async start wrapping it,
+# its groups in jax 0.12's mesh form (the mesh's last axis), 16 GPUs in domains of 8; and one
+# the partitioner adds (is_spmd_generated) over every device.
+MESH = "replica_groups=mesh['fsdp'=4,'expert'=4]"
+EXCHANGES = f"""%exchange (p: f32[{N}]) -> f32[{N}] {{
+  %p = f32[{N}]{{0}} parameter(0)
+  ROOT %x = f32[{N}]{{0}} all-to-all(%p), channel_id=1, {MESH} {{'expert'}}, dimensions={{0}}
+}}
+%reshard (q: f32[{N}]) -> f32[{N}] {{
+  %q = f32[{N}]{{0}} parameter(0)
+  ROOT %y = f32[{N}]{{0}} all-to-all(%q), channel_id=2, {MESH} {{'fsdp','expert'}}, """ \
+    f"""dimensions={{0}}, frontend_attributes={{is_spmd_generated="true"}}
+}}
+"""
+EXCHANGED = f"""
+%a = f32[{N}]{{0}} parameter(0)
+%s = ((f32[{N}]{{0}}), f32[{N}]{{0}}) async-start(%a), calls=%exchange
+%d = f32[{N}]{{0}} async-done(%s)
+%s2 = ((f32[{N}]{{0}}), f32[{N}]{{0}}) async-start(%d), calls=%reshard
+ROOT %d2 = f32[{N}]{{0}} async-done(%s2)
+"""
+
+
+def test_an_async_all_to_all_is_costed_over_its_own_groups():
+    """The exchange over groups of 4 consecutive GPUs stays inside a domain of 8: 3/4 of S over
+    NVLink; the resharding over all 16 sends half of S over the NICs (as in the test above)."""
+    S = 4 * MiB
+    result = step(EXCHANGED, EXCHANGES, devices=16)
+    assert result.busy["collectives"] == pytest.approx(
+        3 / 4 * S / 100e9 + max(7 / 16 * S / 100e9, 8 / 16 * S / 10e9), rel=1e-9)
+
+
+def test_the_compile_output_tells_the_expert_exchanges_inside_one_domain_from_the_rest():
+    """By the mesh's device ids: in order, each exchange group of 4 is one domain's; with the
+    ids interleaved (device 2k and 2k+1 in other domains) the same groups cross."""
+    text = ("HloModule m, is_scheduled=true\n\n" + EXCHANGES + f"\nENTRY %main (a: f32[{N}]) "
+            f"-> f32[{N}] {{\n" + EXCHANGED.strip() + "\n}\n")
+    gpu = dataclasses.replace(GPU, nvlink_domain=8)
+    found = predicted.exchange_groups(text, gpu, list(range(16)))
+    assert found["expert"] == {"count": 1, "sizes": [4], "domain": 8, "crossing": []}
+    assert found["resharding"]["count"] == 1 and found["resharding"]["sizes"] == [16]
+    assert found["resharding"]["crossing"] == [tuple(range(16))]
+    interleaved = [8 * (k % 2) + k // 2 for k in range(16)]
+    crossing = predicted.exchange_groups(text, gpu, interleaved)["expert"]["crossing"]
+    assert len(crossing) == 4 and crossing[0] == (0, 8, 1, 9)
+    assert "each inside one NVLink domain" in predicted.exchange_line(found)
+
+
 def host_copy(host_link: float, gpus_per_link: int = 1) -> replay.Replay:
     """4 MiB copied to pinned host memory while the add runs."""
     return step(f"""
@@ -138,8 +186,8 @@ ROOT %t = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}) tuple(%d1, %d2)
     assert both_ways.busy["from host"] == pytest.approx(copy_s, rel=1e-9)
 
 
-def test_a_while_loop_runs_its_body_its_known_trip_count_times():
-    body = f"""%body (s: (s32[], f32[{N}])) -> (s32[], f32[{N}]) {{
+# A loop body: one add kernel per trip.
+BODY = f"""%body (s: (s32[], f32[{N}])) -> (s32[], f32[{N}]) {{
   %s = (s32[], f32[{N}]{{0}}) parameter(0)
   %i = s32[] get-tuple-element(%s), index=0
   %x = f32[{N}]{{0}} get-tuple-element(%s), index=1
@@ -147,6 +195,9 @@ def test_a_while_loop_runs_its_body_its_known_trip_count_times():
   ROOT %r = (s32[], f32[{N}]{{0}}) tuple(%i, %y)
 }}
 """
+
+
+def test_a_while_loop_runs_its_body_its_known_trip_count_times():
     trips = 'backend_config={"known_trip_count":{"n":"5"}}'
     result = step(f"""
 %a = f32[{N}]{{0}} parameter(0)
@@ -154,7 +205,7 @@ def test_a_while_loop_runs_its_body_its_known_trip_count_times():
 %init = (s32[], f32[{N}]{{0}}) tuple(%zero, %a)
 %loop = (s32[], f32[{N}]{{0}}) while(%init), condition=%cond, body=%body, {trips}
 ROOT %out = f32[{N}]{{0}} get-tuple-element(%loop), index=1
-""", ADD, body, keep_slices=True)
+""", ADD, BODY, keep_slices=True)
     assert result.step_s == pytest.approx(5 * ADD_S, rel=1e-9)
     assert [s[5] for s in result.slices] == [(k,) for k in range(5)]  # the iterations
 
@@ -246,3 +297,95 @@ ROOT %s = f32[1048576]{0} fusion(%a, %a), kind=kLoop, calls=%add_f
 def test_an_unscheduled_module_is_refused():
     with pytest.raises(ValueError, match="not scheduled"):
         replay.replay(hlo.parse_module("HloModule m\n"), GPU, 8)
+
+
+# The same GPU with a kernel launch gap and an NCCL latency, each unlike any other time here:
+# every kernel (on the compute and async compute streams) pays the gap once per run; a
+# collective pays the latency instead, a host transfer (a copy engine, no kernel) neither.
+LAUNCH = 2e-6
+LATENCY = 1e-6
+LAUNCHING = dataclasses.replace(GPU, kernel_launch=LAUNCH, collective_latency=LATENCY)
+KERNEL_S = LAUNCH + ADD_S  # the add kernel with its launch gap
+
+
+def test_every_kernel_pays_the_launch_gap_and_transfers_and_collectives_do_not():
+    """Synchronous work only: the step is the sum of its instructions, each by hand."""
+    trips = 'backend_config={"known_trip_count":{"n":"3"}}'
+    result = step(f"""
+%a = f32[{N}]{{0}} parameter(0)
+%x = bf16[4096,4096]{{1,0}} parameter(1)
+%sum = f32[{N}]{{0}} fusion(%a, %a), kind=kLoop, calls=%add_f
+%plain = f32[{N}]{{0}} add(%sum, %a)
+%moved = f32[{N}]{{0}} copy(%plain)
+%out = f32[{N}]{{0:S(5)}} copy(%moved)
+%w = f32[{N // 8}]{{0}} bitcast(%moved)
+%ag = f32[{N}]{{0}} all-gather(%w), {EIGHT}
+%zero = s32[] constant(0)
+%init = (s32[], f32[{N}]{{0}}) tuple(%zero, %ag)
+%loop = (s32[], f32[{N}]{{0}}) while(%init), condition=%cond, body=%body, {trips}
+%d = f32[4096,4096]{{1,0}} fusion(%x, %x), kind=kCustom, calls=%gemm
+ROOT %t = (f32[{N}]{{0:S(5)}}, f32[4096,4096]{{1,0}}) tuple(%out, %d)
+""", ADD, BODY, gemm(4096, 4096, 4096), gpu=LAUNCHING)
+    to_host = 4 * MiB / 50e9  # no gap: the host link's rate alone
+    gather = LATENCY + 7 / 8 * 4 * MiB / 100e9  # the latency, no gap
+    gemm_s = LAUNCH + 2 * 4096**3 / 989e12
+    kernels = (KERNEL_S  # the fused add
+               + KERNEL_S  # the unfused add: the same bytes
+               + LAUNCH + 8 * MiB / GPU.hbm  # the copy on the device: 4 MiB each way
+               + 3 * KERNEL_S  # the loop's add, a gap per iteration
+               + gemm_s)
+    assert result.step_s == pytest.approx(kernels + to_host + gather, rel=1e-9)
+    assert result.busy["compute"] == pytest.approx(result.step_s, rel=1e-9)
+    assert result.gemm_s == pytest.approx(gemm_s, rel=1e-9)
+    assert result.exposed == pytest.approx({"collectives": gather, "to host": to_host,
+                                            "from host": 0, "async compute": 0}, rel=1e-9)
+    assert result.busy["to host"] == pytest.approx(to_host, rel=1e-9)
+    assert result.busy["collectives"] == pytest.approx(gather, rel=1e-9)
+
+
+def five_streams(gather_s: float) -> replay.Replay:
+    """Work started on each of the four other streams at t = 0, then one add, the four waits
+    (in the order below) and a last add: an all-gather of `gather_s` (latency included), 4 MiB
+    to host in 1.5 adds, 8 MiB from host in 3 adds, and a copy on the device (the async
+    compute stream: its launch gap and 8 MiB at HBM rate, shorter than an add)."""
+    add_s = KERNEL_S
+    host_link = 4 * MiB / (1.5 * add_s)
+    nvlink = 7 / 8 * 4 * MiB / (gather_s - LATENCY)
+    gpu = dataclasses.replace(LAUNCHING, host_link=host_link, nvlink=nvlink)
+    outs = f"(f32[{N}]{{0}}, f32[{N}]{{0:S(5)}}, f32[{2 * N}]{{0}}, f32[{N}]{{0}})"
+    return step(f"""
+%a = f32[{N}]{{0}} parameter(0)
+%h = f32[{2 * N}]{{0:S(5)}} parameter(1)
+%w = f32[{N // 8}]{{0}} bitcast(%a)
+%ag = (f32[{N // 8}]{{0}}, f32[{N}]{{0}}) all-gather-start(%w), {EIGHT}
+%out = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
+%in = (f32[{2 * N}]{{0}}, f32[{2 * N}]{{0:S(5)}}, u32[]) copy-start(%h)
+%cp = (f32[{N}]{{0}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
+%sum = f32[{N}]{{0}} fusion(%a, %a), kind=kLoop, calls=%add_f
+%agd = f32[{N}]{{0}} all-gather-done(%ag)
+%outd = f32[{N}]{{0:S(5)}} copy-done(%out)
+%ind = f32[{2 * N}]{{0}} copy-done(%in)
+%cpd = f32[{N}]{{0}} copy-done(%cp)
+%last = f32[{N}]{{0}} fusion(%sum, %agd), kind=kLoop, calls=%add_f
+ROOT %t = {outs} tuple(%last, %outd, %ind, %cpd)
+""", ADD, gpu=gpu)
+
+
+@pytest.mark.parametrize("gather_adds, exposed", [
+    # Hidden behind the first add; to host waited for from 1 to 1.5 adds, from host to 3.
+    (0.5, {"collectives": 0, "to host": 0.5, "from host": 1.5, "async compute": 0}),
+    # Waited for to 2.5 adds: to host has finished by then, from host waited for to 3.
+    (2.5, {"collectives": 1.5, "to host": 0, "from host": 0.5, "async compute": 0}),
+], ids=["collective hidden", "collective exposed"])
+def test_each_stream_is_busy_with_its_own_work_and_exposed_only_where_compute_waits(
+        gather_adds, exposed):
+    """Busy and exposed seconds per stream, in adds (an add kernel with its launch gap): the
+    step is 3 adds of waiting and work, then the last add, either way."""
+    add_s = KERNEL_S
+    result = five_streams(gather_adds * add_s)
+    assert result.step_s == pytest.approx(4 * add_s, rel=1e-9)
+    assert result.busy == pytest.approx({
+        "compute": 4 * add_s, "collectives": gather_adds * add_s, "to host": 1.5 * add_s,
+        "from host": 3 * add_s, "async compute": LAUNCH + 8 * MiB / GPU.hbm}, rel=1e-9)
+    assert result.exposed == pytest.approx({k: v * add_s for k, v in exposed.items()},
+                                           rel=1e-9, abs=1e-15)

@@ -37,7 +37,7 @@ def test_predicted_memory_is_the_static_plans():
     own policy) for the row whose on-device tags cost the most."""
     row = configs.get("deepseek671b-device-mb8")
     tables = runtime_setup.placement_tables(row.model, row.run)
-    step = TracedStep(row.model, row.run, (1, 128))
+    step = TracedStep(row.model, row.run, row.run.mesh.shape(row.run.mesh.devices))
     lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
     gpu = GPUS["gb200"]
     peak = memory.plan(step, tables, lines, 0, gpu.host_memory).peak_estimate

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import OptimizerConfig, RunConfig
+from configs import MeshConfig, OptimizerConfig, RunConfig
 from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA
 from model import common, deepseek, experts, llama
 from offload import policies
-from trainer.build import axis_rules, make_loss
-from trainer.step import device_update, loss_fn, make_optimizer, train_step
+from trainer.build import make_loss, make_mesh
+from trainer.step import device_update, expert_metrics, loss_fn, make_optimizer, train_step
 from trainer.target import Target
 
 
@@ -54,35 +54,37 @@ def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
 
 
 # Under expert parallelism each device runs its experts as one GEMM over their blocks, whatever
-# expert_path says.
-@pytest.mark.parametrize("expert_path, expert_parallel, mesh_shape", [
-    ("dense", False, (1, 8)), ("sorted", False, (1, 8)), ("dense", True, (2, 4))])
-def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel, mesh_shape):
+# expert_path says. Mesh (data, fsdp, expert).
+@pytest.mark.parametrize("expert_path, mesh", [
+    ("dense", (1, 8, 1)), ("sorted", (1, 8, 1)), ("dense", (1, 4, 2)), ("dense", (1, 2, 4)),
+    ("dense", (2, 2, 2))])
+def test_deepseek_over_8_devices_equals_one_device(expert_path, mesh):
     """MoE layers route each device's own tokens (shard_map), with the experts gathered (FSDP)
-    or split over the fsdp devices (expert parallelism, dropless blocks; with 2 data replicas,
-    each exchanging within its own fsdp group), under the DeepSeek offload policy (what it does
-    not save, exchanges included, is recomputed): the loss, the expert loads and the gradients
-    equal those of one device without checkpointing; nothing is dropped."""
+    or split over the expert axis (expert parallelism, dropless blocks, FSDP-sharded over fsdp
+    along the expert axis and gathered there; with 2 data replicas or 2 fsdp shards, each
+    exchanging only within its own expert group), under the DeepSeek offload policy (what it
+    does not save, exchanges included, is recomputed): the loss, the expert loads and the
+    gradients equal those of one device without checkpointing; nothing is dropped."""
     specs = deepseek.param_specs(SHARDED_DEEPSEEK)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    eight = common.make_mesh(mesh_shape, ("data", "fsdp"))
     params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
     batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, SHARDED_DEEPSEEK.vocab))
-    run = RunConfig(compute_dtype="float32", expert_path=expert_path,
-                    expert_parallel=expert_parallel)
+    run = RunConfig(compute_dtype="float32", expert_path=expert_path, mesh=MeshConfig(*mesh))
 
     def loss_and_grads(params, batch, rules, run, tables):
         loss = make_loss(SHARDED_DEEPSEEK, run, tables, rules, Target("cpu"))
         return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
     reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
-                                run=dataclasses.replace(run, expert_parallel=False)))(
-        params, batch)
-    rules = axis_rules(run, eight)
+                                run=dataclasses.replace(run, mesh=MeshConfig())))(params, batch)
+    rules = common.AxisRules(mesh=make_mesh(run, jax.devices()))
     tables = policies.placement_tables("dsv3_offload", {}, deepseek.SCANS)
+    sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
+    experts = sharded_params["moe_layers"]["we_gate"]  # [L, E, D, F]: E/(expert x fsdp) each
+    assert experts.sharding.shard_shape(experts.shape)[1:3] == (
+        SHARDED_DEEPSEEK.n_experts // (mesh[1] * mesh[2]), SHARDED_DEEPSEEK.d_model)
     sharded = jax.jit(partial(loss_and_grads, rules=rules, run=run, tables=tables))(
-        jax.device_put(params, common.param_shardings(specs, rules)),
-        jax.device_put(batch, rules.sharding(("batch", None))))
+        sharded_params, jax.device_put(batch, rules.sharding(("batch", None))))
     assert sharded[0][1]["expert_dropped"].sum() == 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
                  sharded, reference)
@@ -91,15 +93,16 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, expert_parallel,
 def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     """Expert parallelism with small blocks, against float64 numpy: per device, (token,
     expert) pairs in token order (then choice) fill their expert's block of C rows; the rest
-    are dropped and add nothing; every kept pair is computed exactly."""
+    are dropped and add nothing; every kept pair is computed exactly. The drops are counted
+    per expert, and reported per expert group (the experts one device of the expert axis
+    holds): the whole's share and the worst group's."""
     cfg, devices, capacity = SHARDED_DEEPSEEK, 8, 0.5
     rng = np.random.default_rng(3)
     x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
     layer = jax.tree.map(lambda s: rng.normal(scale=0.2, size=s.shape[1:]).astype(np.float32),
                          deepseek.param_specs(cfg)["moe_layers"],
                          is_leaf=lambda s: isinstance(s, common.ParamSpec))
-    rules = common.AxisRules(mesh=common.make_mesh((1, devices), ("data", "fsdp")))
-    rules = rules.expert_parallel()
+    rules = common.AxisRules(mesh=common.make_mesh((1, devices), ("fsdp", "expert")))
     parallel = deepseek.ExpertParallel(devices, capacity)
     out, stats = jax.jit(partial(deepseek.moe, cfg=cfg, expert_path="dense", rules=rules,
                                  parallel=parallel))(x, layer)
@@ -110,13 +113,13 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     room = parallel.block_rows(6, k, cfg.n_experts)
     assert room < 6  # small enough to drop
     w64 = {name: np.asarray(a, np.float64) for name, a in layer.items()}
-    want, dropped = np.zeros(x.shape), 0
+    want, dropped = np.zeros(x.shape), np.zeros(cfg.n_experts, int)
     for d in range(devices):
         used = np.zeros(cfg.n_experts, int)
         for t, j in ((t, j) for t in range(6) for j in range(k)):
             e = experts[d, t, j]
             if used[e] == room:
-                dropped += 1
+                dropped[e] += 1
                 continue
             used[e] += 1
             h = x[d, t].astype(np.float64)
@@ -125,7 +128,16 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
         h = x[d].astype(np.float64)
         gate, up = h @ w64["w_gate"], h @ w64["w_up"]
         want[d] += (gate / (1 + np.exp(-gate)) * up) @ w64["w_down"]
-    assert dropped > 0 and int(stats["expert_dropped"]) == dropped
+    assert dropped.sum() > 0
+    np.testing.assert_array_equal(stats["expert_dropped"], dropped)
+    load = np.bincount(experts.reshape(-1), minlength=cfg.n_experts)
+    groups = 4  # an expert axis of 4 devices, each holding 4 of the 16 experts
+    share = dropped.reshape(groups, -1).sum(1) / load.reshape(groups, -1).sum(1)
+    assert share.max() > share.min()  # the groups differ: the worst is not the mean
+    metrics = expert_metrics({name: jnp.asarray(a)[None] for name, a in (
+        ("expert_load", load), ("expert_dropped", dropped))}, groups)
+    np.testing.assert_allclose(metrics["expert_dropped"], dropped.sum() / load.sum())
+    np.testing.assert_allclose(metrics["expert_dropped_worst_group"], share.max())
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
 
 

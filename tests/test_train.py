@@ -78,3 +78,25 @@ def test_a_diverging_run_stops_and_names_the_step(tmp_path, capsys):
                            tmp_path, capsys)
     assert code == 1
     assert "at step" in err and "stopping" in err
+
+
+DEEPSEEK_ROWS = [*configs.COMPARISONS["deepseek671b-compare"], "deepseek671b-device-mb8"]
+
+
+def test_every_deepseek_rows_proxy_trains_with_its_experts_split_over_an_expert_axis(
+        tmp_path, capsys):
+    """Each DeepSeek row's proxy (its policy and flags; a dense and a MoE layer) on 8 CPU
+    devices as fsdp 2 x expert 4, as the full rows split theirs (fsdp 16 x expert 8), at the
+    rows' capacity factor:
+    two steps run to a finite loss (a loss that is not finite stops a run with status 1),
+    each step line says what was dropped, overall and in the worst expert group, and the
+    header names the split."""
+    for name in DEEPSEEK_ROWS:
+        code, out, err = run_cli([name, "steps=2", "seq=32", "model.n_layers=2",
+                                  "model.vocab=512", "mesh.expert=4", "expert_capacity=1.0"],
+                                 tmp_path / name, capsys)
+        assert code == 0, err
+        assert "experts split over the 4 devices of each expert group (blocks 1x" in out
+        assert "fsdp': 2, 'expert': 4" in out
+        steps = [line for line in out.splitlines() if line.startswith("step ")]
+        assert len(steps) == 2 and all("(worst expert group" in line for line in steps)

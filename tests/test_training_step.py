@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import configs
-from configs import OptimizerConfig
+from configs import MeshConfig, OptimizerConfig
 import reference_step
 from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA, TINY_LLAMA, one_device_params, tokens
 from model import common, deepseek, llama
@@ -109,7 +109,8 @@ TRAINERS = {  # model, clip norm, run: an offload policy; the MoE model's expert
     "llama": (SHARDED_LLAMA, 1.5, {"policy": "qkv_offload"}),
     "llama-host-state": (SHARDED_LLAMA, 1.5, {"policy": "qkv_offload",
                                               "optimizer_state": "host"}),
-    "deepseek": (SHARDED_DEEPSEEK, 2.0, {"policy": "dsv3_offload", "expert_parallel": True}),
+    "deepseek": (SHARDED_DEEPSEEK, 2.0, {"policy": "dsv3_offload",
+                                         "mesh": MeshConfig(fsdp=2, expert=4)}),
 }
 
 
@@ -179,8 +180,8 @@ def float64_gradients(model, run, like):
 def trainer_steps(model, run, params, batches):
     """The trainer's own jitted step (trainer/build.py) over 8 CPU devices, FSDP: the state
     after each batch."""
-    mesh = common.make_mesh(run.mesh.shape(8), ("data", "fsdp"), devices=jax.devices())
-    rules, optimizer = build.axis_rules(run, mesh), make_optimizer(run.optimizer, run.steps)
+    rules = common.AxisRules(mesh=build.make_mesh(run, jax.devices()))
+    optimizer = make_optimizer(run.optimizer, run.steps)
     shardings = jax.tree.map(lambda a: a.sharding,
                              build.abstract_state(model, run, rules, optimizer))
     # Copies: the step donates its state, and the caller's `params` start the reference.

@@ -5,9 +5,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from configs import ConfigError, RunConfig
+from configs import MESH_AXES, ConfigError, RunConfig
 from model import common, families, quant
 from offload import policies
 from runtime.backend import explained_compile
@@ -16,9 +17,13 @@ from trainer.step import device_update, loss_fn, optimizer_parts, train_step
 from trainer.target import Target, compiler_options, forward_options, kernel_checks
 
 
-def axis_rules(run: RunConfig, mesh) -> common.AxisRules:
-    rules = common.AxisRules(mesh=mesh)
-    return rules.expert_parallel() if run.expert_parallel else rules
+def make_mesh(run: RunConfig, devices) -> jax.sharding.Mesh:
+    """The run's data x fsdp x expert mesh over `devices` in their order: the expert axis
+    innermost, so each expert group is mesh.expert consecutive devices (`--compile` checks
+    every exchange's devices against the GPUs' NVLink domains: analysis/predicted.py)."""
+    shape = run.mesh.shape(len(devices))
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
@@ -62,15 +67,13 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
     return []
 
 
-def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target,
-              fsdp_devices: int = 0):
+def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target):
     """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
-    alone, which under expert parallelism needs the number of `fsdp_devices` it is one of."""
-    fsdp_devices = fsdp_devices or (rules.mesh.shape.get("fsdp", 1) if rules else 1)
+    alone (under expert parallelism: one of run.mesh.expert devices of its expert group)."""
     return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
                    rules=rules, dtype=jnp.dtype(run.compute_dtype),
                    balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks,
-                   **forward_options(model, run, fsdp_devices, target))
+                   **forward_options(model, run, target))
 
 
 def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
@@ -81,7 +84,8 @@ def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, targ
     else:
         update = device_update(optimizer)
     step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
-                   update=update, router_bias_rate=run.router_bias_rate)
+                   update=update, router_bias_rate=run.router_bias_rate,
+                   expert_groups=run.mesh.expert)
     return jax.jit(step, donate_argnums=0)
 
 

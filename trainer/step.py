@@ -79,18 +79,29 @@ def device_update(optimizer):
     return update
 
 
-def train_step(state, batch, *, loss, update, router_bias_rate=0.0):
-    """`update`: `device_update` or, for the state in host memory, trainer/host_state.py's."""
+def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_groups=1):
+    """`update`: `device_update` or, for the state in host memory, trainer/host_state.py's;
+    `expert_groups`: the devices of the expert axis, whose experts' drops are reported apart."""
     (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch)
     params, opt_state = update(grads, state["opt_state"], state["params"])
     metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
     if "expert_load" in aux:
         params = update_router_bias(params, aux["expert_load"], router_bias_rate)
-        load = aux["expert_load"].astype(jnp.float32)
-        metrics["expert_load_max_over_mean"] = (load.max(-1) / load.mean(-1)).max()
+        metrics |= expert_metrics(aux, expert_groups)
         metrics["balance_loss"] = aux["balance_loss"].mean()
-        metrics["expert_dropped"] = aux["expert_dropped"].sum() / load.sum()
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def expert_metrics(aux, groups: int) -> dict:
+    """The MoE layers' routing [L, E]: the most loaded expert over the mean (worst layer), the
+    share of (token, expert) pairs dropped for lack of room, overall and in the worst expert
+    group (the E/groups experts each device of the expert axis holds, in order)."""
+    load = aux["expert_load"].astype(jnp.float32)
+    per_group = rearrange(load, "l (g e) -> g (l e)", g=groups).sum(-1)
+    dropped = rearrange(aux["expert_dropped"], "l (g e) -> g (l e)", g=groups).sum(-1)
+    return {"expert_load_max_over_mean": (load.max(-1) / load.mean(-1)).max(),
+            "expert_dropped": dropped.sum() / load.sum(),
+            "expert_dropped_worst_group": (dropped / per_group).max()}
 
 
 def make_optimizer(cfg: OptimizerConfig, steps: int):

@@ -101,12 +101,12 @@ def kernel_checks(target: Target):
             setattr(cudnn_attention, name, check)
 
 
-def forward_options(model, run: RunConfig, fsdp_devices: int, target: Target) -> dict:
+def forward_options(model, run: RunConfig, target: Target) -> dict:
     """The forward arguments that depend on the target: the attention kernel (cuDNN's fused
     one on GPUs in bf16/fp16, XLA's elsewhere, and always on target "any"), the NVFP4 path
     and, for MoE models, how routed experts are computed (grouped GEMMs on accelerators; every
-    expert densely on CPUs, where ragged_dot is slow) and split (over the fsdp devices, under
-    expert parallelism)."""
+    expert densely on CPUs, where ragged_dot is slow) or, with mesh.expert > 1, split over
+    the expert axis."""
     on_cpu = target.platform == "cpu"
     attention = "xla" if target.platform == "any" else run.attention
     if attention == "auto":
@@ -114,9 +114,10 @@ def forward_options(model, run: RunConfig, fsdp_devices: int, target: Target) ->
         attention = "cudnn" if fused else "xla"
     options = {"attention": None if attention == "xla" else attention,
                "quantization": quantization(run, target)}
-    if isinstance(model, DeepSeekConfig) and run.expert_parallel:
+    if isinstance(model, DeepSeekConfig) and run.mesh.expert > 1:
         # A device runs each of its experts as one GEMM over its blocks: no expert path.
-        options["expert_parallel"] = deepseek.ExpertParallel(fsdp_devices, run.expert_capacity)
+        options["expert_parallel"] = deepseek.ExpertParallel(run.mesh.expert,
+                                                             run.expert_capacity)
     elif isinstance(model, DeepSeekConfig):
         path = run.expert_path
         options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
