@@ -129,7 +129,7 @@ def print_compile(name: str, args: list[str]) -> None:
           f"{gpu.topology(len(target.devices))}, mesh {dict(built.mesh.shape)}, "
           f"{report.model_line(setup.model)}; in {built.compile_s:.1f} s")
     print(f"xla flags: {report.flags_line(run, target)}; kernels: "
-          f"{report.kernels_line(setup.model, run, built.mesh, target)}")
+          f"{report.kernels_line(setup.model, run, target)}")
     print("\n".join(plan.plan_lines(name, run, built.full_plan)))
     compiled = built.compiled_memory()
     print("\n".join(plan.compiled_lines(compiled, built.full_plan, gpu)))

@@ -15,7 +15,7 @@ from analysis import placement
 from analysis.addressing import Proof
 from analysis.trace import Residual, Tagged
 from analysis.traced import TracedStep
-from configs.llama3 import PIPELINED as PIPELINED_FLAG
+from configs import PIPELINED
 from model.common import ParamSpec
 
 
@@ -198,41 +198,35 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
 
 
 def pipelined(step: TracedStep, tags: list[TagLine]) -> int:
-    """Under pipelined host offloading (the XLA flag), one layer's offloaded tensors twice, of
-    the scan that offloads most: the forward pass writes each layer's to host during the next
-    layer, the backward pass fetches the next layer's during this one (tests/test_gpu_compile.py
-    measures what the flag adds)."""
-    if step.run.xla_flags.get(PIPELINED_FLAG, "false") != "true":
+    """Under pipelined host offloading (the XLA flag), one layer's offloaded tensors, of the
+    scan that offloads most: the backward pass fetches the next layer's during this one. An
+    estimate: what the flag adds to a compiled program is measured in docs/placement.md."""
+    if step.run.xla_flags.get(PIPELINED, "false") != "true":
         return 0
     per_layer: dict[str, int] = {}
     for line in tags:
         if line.offloaded:
             per_layer[line.value.scan] = per_layer.get(line.value.scan, 0) + line.value.nbytes
-    return 2 * max(per_layer.values(), default=0)
+    return max(per_layer.values(), default=0)
 
 
 def transposed_weights(step: TracedStep) -> int:
     """Per device, the layer scans' stacked weights XLA keeps a second, transposed copy of,
-    from before the forward loop to the end of the backward loop: those whose gathered axis
-    (FSDP-sharded: all but the expert axis of a device's own experts) is not their first
-    per-layer axis (Llama's and DeepSeek's wo and w_down, sharded on their output axis; under
-    expert parallelism every routed expert matrix, after its expert axis). A layer's
-    all-gather concatenates its major axis, so XLA lays the whole stack out with the gathered
-    axis first, once (a `wrapped_transpose` of the parameter in the compiled program, of its
-    bytes exactly; tests/test_plan_terms.py). On one device nothing is gathered, and nothing
-    copied."""
+    from before the forward loop to the end of the backward loop: those FSDP shards on an
+    axis after their first per-layer one (Llama's and DeepSeek's wo and w_down, sharded on
+    their output axis; the routed experts are sharded on their expert axis, the first, and
+    need none). A layer's all-gather concatenates its major axis, so XLA lays the whole stack
+    out with the sharded axis first, once (a `wrapped_transpose` of the parameter in the
+    compiled program, of its bytes exactly; tests/test_plan_terms.py). On one device nothing
+    is gathered, and nothing copied."""
     if step.shards == 1:
         return 0
     copied = []
-    specs = step.family.param_specs(step.model)
     for scan in step.scans:
-        for name, leaf in step.state["params"][scan].items():
+        for leaf in step.state["params"][scan].values():
             spec = tuple(leaf.sharding.spec) + (None,) * leaf.ndim
-            axes = specs[scan][name].axes
-            gathered = [i for i in range(1, leaf.ndim)
-                        if spec[i] is not None and axes[i] != "experts"]
-            local = leaf.sharding.shard_shape(leaf.shape)
-            if gathered and np.prod(local[1:gathered[0]]) > 1:
+            sharded = [i for i in range(1, leaf.ndim) if spec[i] is not None]
+            if sharded and np.prod(leaf.shape[1:sharded[0]]) > 1:
                 copied.append(leaf)
     return per_device_bytes(copied)
 

@@ -117,8 +117,7 @@ def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
     mesh = run.mesh
     title = (f"memory plan: {name} at full scale, per device of the mesh data={mesh.data} x "
              f"fsdp={mesh.fsdp} x expert={mesh.expert} ({run.device}); {run.batch(devices)} "
-             f"sequences x {run.seq} "
-             f"tokens; policy {run.policy}")
+             f"sequences x {run.seq} tokens; policy {run.policy}")
     return [title, *placement_lines(plan.tags),
             *memory_lines(plan, GPUS[run.device], pool, run)]
 
@@ -164,8 +163,8 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
         ("transposed weights", plan.transposed_weights,
          "XLA's copy, for the whole step, of the stacked weights FSDP shards on a later axis"),
         ("pipelined transfers", plan.pipelined,
-         "one layer's offloaded tensors, twice: written to host a layer late, read back a "
-         "layer early (xla_gpu_enable_pipelined_host_offloading)"),
+         "one layer's offloaded tensors, fetched a layer early "
+         "(xla_gpu_enable_pipelined_host_offloading; an estimate)"),
     ]
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows
            if n or name != "pipelined transfers"]

@@ -21,7 +21,8 @@ it, FSDP collectives hide behind the layer's compute; a host copy hides behind t
 between its tag and the end of the layer (forward) or between the start of the layer's
 backward and the tag's use (backward), one copy at a time on the link; with pipelined host
 offloading a copy has the whole neighbouring layer, and one layer's offloaded tags more sit on
-the device. Expert all-to-alls feed the GEMMs after them: always exposed.
+the device (the static plan's `pipelined` term). Expert all-to-alls feed the GEMMs after them:
+always exposed.
 """
 
 import dataclasses
@@ -89,6 +90,8 @@ class Hardware:
         if group <= 1:
             return 0.0
         inside = min(group, self.domain or group)
+        if group > inside and not self.network:
+            return float("inf")  # a group that leaves its domain, with no NIC figure
         leaving = (group - inside) / group / self.network if group > inside else 0.0
         return max((inside - 1) / group / self.nvlink, leaving)
 
@@ -127,7 +130,7 @@ class Terms:
     """A candidate's (or one scan's) share of memory and time; sums over scans."""
     device: float = 0.0
     host: float = 0.0
-    prefetch: float = 0.0  # one layer's offloaded bytes (pipelining keeps them in flight)
+    prefetch: float = 0.0  # one layer's offloaded bytes (pipelining fetches them a layer early)
     compute_s: float = 0.0
     recompute_s: float = 0.0
     host_s: float = 0.0  # exposed host transfers

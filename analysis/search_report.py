@@ -24,7 +24,7 @@ from pathlib import Path
 import configs
 from analysis import memory, plan, search
 from analysis.traced import TracedStep
-from configs import ConfigError, Experiment
+from configs import LHS, PIPELINED, ConfigError, Experiment
 from configs.gpus import GPUS, Gpu
 from model import families
 from model.config import DeepSeekConfig
@@ -34,8 +34,6 @@ from runtime import backend
 GiB = 2**30
 OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0",
            "plot": "auto"}
-LHS = "xla_gpu_enable_latency_hiding_scheduler"
-PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
 
 
 def split_options(args: list[str]) -> tuple[list[str], dict]:
@@ -219,8 +217,8 @@ def experts_of(experiment: Experiment, text: str) -> list[int]:
     """Expert-parallel degrees: given, or for a MoE model every power of two from 2 that
     divides its experts and the devices the data axis leaves, up to one NVLink domain (and its
     own). Not 1 unless asked: without expert parallelism a GPU computes the experts with
-    `ragged_dot`, which XLA expands past any GPU's memory at full scale (DeepSeek-V3: 2,799
-    GiB per GB200 compiled, docs/search.md), and the fast model cannot see that."""
+    `ragged_dot`, which XLA expands past any GPU's memory at full scale (docs/search.md), and
+    the fast model cannot see that."""
     run, model = experiment.run, experiment.model
     per_replica = run.mesh.devices // run.mesh.data
     if not isinstance(model, DeepSeekConfig):
@@ -253,8 +251,8 @@ def run_search(experiment: Experiment, options: dict, clock) -> Result:
     hw = hardware(GPUS[run.device], run.mesh.devices)
     rows = [row_candidate(tracer, e) for e in study_rows(experiment)]
     batches = batches_of(experiment, options["batches"])
-    works = {(b, e): tracer.workload(b, e) for b in batches
-             for e in experts_of(experiment, options["experts"])}
+    degrees = experts_of(experiment, options["experts"])
+    works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
     schedules = [search.Schedule(True), search.Schedule(True, True)]
     ranked = search.search(works, hw, schedules)
     searched = len(ranked)

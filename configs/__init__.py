@@ -40,8 +40,9 @@ class MeshConfig:
     """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards
     x `expert` shards. Weights are sharded over fsdp x expert, except the routed experts: split
     over `expert` (E/expert each) and sharded over `fsdp`; tokens over all three. The expert
-    axis is the innermost, so its devices are neighbours (one host, one NVLink domain) and
-    the expert exchanges stay inside it. fsdp=-1 takes all the devices the others leave."""
+    axis is the innermost, so its devices are neighbours (consecutive devices: hosts next to
+    each other, inside one NVLink domain) and the expert exchanges stay among them. fsdp=-1
+    takes all the devices the others leave."""
     data: int = 1
     fsdp: int = -1
     expert: int = 1
@@ -57,6 +58,10 @@ class MeshConfig:
 
 
 MESH_AXES = ("data", "fsdp", "expert")  # the mesh's axis names, outermost first
+# The XLA flags the study's rows set (docs/study.md).
+LHS = "xla_gpu_enable_latency_hiding_scheduler"
+PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
+ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +274,7 @@ _RULES = {
 }
 
 
-def out_of_range(model: ModelConfig, run: RunConfig, said: list[str] = ()) -> list[str]:
+def out_of_range(model: ModelConfig, run: RunConfig, said=()) -> list[str]:
     """A line for each field of RANGES out of its range (a field of the other model family,
     or one set to None, has none), unless a line of `said` names it or its group."""
     found = []
@@ -307,10 +312,12 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")
-    if min(mesh.data, mesh.expert) < 1 or fsdp < 1 or data * fsdp * expert != n_devices:
+    # (An axis out of its range is said by the range table, not again here.)
+    axes_in_range = min(mesh.data, mesh.expert) >= 1 and (mesh.fsdp == -1 or mesh.fsdp >= 1)
+    if axes_in_range and (fsdp < 1 or data * fsdp * expert != n_devices):
         found.append(f"mesh data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert} does "
                      f"not cover the {n_devices} devices")
-    elif run.batch(n_devices) % n_devices:
+    elif axes_in_range and run.batch(n_devices) % n_devices:
         found.append(f"global_batch={run.batch(n_devices)} is not divisible over the "
                      f"{n_devices} devices")
     found += experts
@@ -320,16 +327,17 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
 
 
 def _expert_problems(model: ModelConfig, run: RunConfig, fsdp: int) -> list[str]:
+    expert = run.mesh.expert
+    if expert < 1 or fsdp < 1:
+        return []  # out of its range, or the mesh does not cover the devices: said elsewhere
     if not isinstance(model, DeepSeekConfig):
-        return [] if run.mesh.expert == 1 else [
-            f"mesh.expert={run.mesh.expert}: this model has no routed experts to split "
-            "(only DeepSeek does)"]
-    if run.mesh.expert > 1 and model.n_experts % run.mesh.expert:
-        return [f"mesh.expert={run.mesh.expert} does not divide the model's "
-                f"n_experts={model.n_experts}"]
-    if fsdp >= 1 and model.n_experts % (fsdp * run.mesh.expert):
+        return [] if expert == 1 else [f"mesh.expert={expert}: this model has no routed "
+                                       "experts to split (only DeepSeek does)"]
+    if model.n_experts % expert:
+        return [f"mesh.expert={expert} does not divide the model's n_experts={model.n_experts}"]
+    if model.n_experts % (fsdp * expert):
         return [f"model.n_experts={model.n_experts} is not divisible over the fsdp x expert = "
-                f"{fsdp * run.mesh.expert} devices the routed experts are sharded over"]
+                f"{fsdp * expert} devices the routed experts are sharded over"]
     return []
 
 

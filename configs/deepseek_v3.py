@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from configs import COMPARISONS, STUDY_TFLOPS, Experiment, MeshConfig, RunConfig, register
-from configs.llama3 import ASYNC_LIMIT, LHS, PIPELINED
+from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, Experiment,
+                     MeshConfig, RunConfig, register)
 from model.config import DeepSeekConfig
 
 DEEPSEEK_V3 = DeepSeekConfig(
@@ -25,8 +25,8 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
 
 # The study gives no DeepSeek sequence length: 4096, the model's original context, is assumed.
 # The mesh and the expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs
-# (docs/study.md): FSDP 16 x expert parallelism 8, the 8 experts' devices one NVL72 tray pair
-# inside an NVLink domain; capacity factor 1.0 (blocks of the balanced share, the surplus
+# (docs/study.md): FSDP 16 x expert parallelism 8, each expert group's 8 GPUs two NVL72 trays
+# inside one NVLink domain; capacity factor 1.0 (blocks of the balanced share, the surplus
 # dropped and counted in the log). The loss in 8 chunks: [8, 4096, 129280] fp32 logits and
 # their gradient would be 31.6 GiB at once.
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10,

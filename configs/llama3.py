@@ -2,7 +2,8 @@
 
 import dataclasses
 
-from configs import COMPARISONS, STUDY_TFLOPS, Experiment, MeshConfig, RunConfig, register
+from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, Experiment,
+                     MeshConfig, RunConfig, register)
 from model.config import LlamaConfig
 
 LLAMA31_8B = LlamaConfig(vocab=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -32,9 +33,6 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
                        compute_dtype="bfloat16", quant="nvfp4", loss_chunks=8,
                        checkpoint_every=0)
-LHS = "xla_gpu_enable_latency_hiding_scheduler"
-PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
-ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 
 
 def _llama405b(name: str, summary: str, **run_changes) -> Experiment:

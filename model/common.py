@@ -43,7 +43,7 @@ class AxisRules:
     # The routed-expert weights' expert axis, at rest: the expert groups' share of the experts,
     # FSDP-sharded along the same axis (MaxText's shard_exp_on_fsdp). Gathered for a layer,
     # it is the major axis of the stack, so XLA needs no transposed copy of the stack to
-    # concatenate it (along their width: one, 19.3 GiB a GB200 for DeepSeek-V3).
+    # concatenate it (sharded along their width, it keeps one: docs/placement.md).
     experts: MeshAxes = ("expert", "fsdp")
     expert_embed: MeshAxes = None  # their embed axis
     exchange: MeshAxes = "expert"  # the devices of one expert group, which exchange tokens
@@ -67,7 +67,7 @@ class AxisRules:
         return math.prod(self.mesh.shape[a] for a in axes)
 
     def _present(self, axes: MeshAxes) -> MeshAxes:
-        """`axes` less those the mesh does not have (size 1)."""
+        """`axes` less those the mesh does not have (a mesh without an axis is it at size 1)."""
         if axes is None or self.mesh is None:
             return axes
         kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)

@@ -208,7 +208,7 @@ def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = N
     balance term and each expert's (token, expert) pairs dropped for lack of room [E]."""
     axis = rules.spec(("exchange",))[0] if rules is not None else None
     if parallel is not None and rules is not None and not isinstance(axis, str):
-        raise ValueError("expert parallelism needs the experts axis on one mesh axis")
+        raise ValueError("expert parallelism needs the exchange axis on one mesh axis")
     routed = partial(_routed, cfg=cfg, expert_path=expert_path, parallel=parallel, axis=axis)
     if rules is not None:
         routed = _per_device(routed, rules)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+import configs
 from analysis import plan
 from model import common, families
 from model.config import LlamaConfig
@@ -48,7 +49,7 @@ def _policy_line(tables: dict | None) -> str:
                      for scan, table in tables.items()) + "; all else remat"
 
 
-def kernels_line(model, run, mesh, target) -> str:
+def kernels_line(model, run, target) -> str:
     """The kernels the target's step uses: attention, NVFP4 path, experts."""
     options = forward_options(model, run, target)
     parts = []
@@ -176,7 +177,7 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
                   f"({batch_size / devices:g} per device)"),
         ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                    "softmax, norms and loss float32"),
-        ("kernels", kernels_line(setup.model, run, mesh, target)),
+        ("kernels", kernels_line(setup.model, run, target)),
         ("policy", f"{run.policy}: {_policy_line(setup.tables)}{dropped}"),
         ("xla flags", flags_line(run, target)),
         ("data", run.data.path or f"synthetic uniform tokens, seed {run.seed}"),
@@ -264,8 +265,8 @@ class StepLog:
         tflops = self.flops / seconds / 1e12
         eta = statistics.median(self.times) * (self.run.steps - step)
         experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}, dropped "
-                   f"{values['expert_dropped']:.2%} (worst expert group "
-                   f"{values['expert_dropped_worst_group']:.2%})" if "expert_dropped" in values
+                   f"{values['expert_dropped']:.2%} (worst device's experts "
+                   f"{values['expert_dropped_worst_device']:.2%})" if "expert_dropped" in values
                    else "")
         say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {values['loss']:.4f}"
             f"  {seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
@@ -319,8 +320,7 @@ def comparison(name: str, rows: list) -> None:
         flags = setup.run.xla_flags
         peak = summary["peak_device_bytes"]
         table.append([setup.experiment.name, setup.run.policy,
-                      flags.get("xla_gpu_enable_latency_hiding_scheduler", "default"),
-                      flags.get("xla_gpu_enable_pipelined_host_offloading", "false"),
+                      flags.get(configs.LHS, "default"), flags.get(configs.PIPELINED, "false"),
                       f"{summary['median_step_s'] * 1e3:.1f}",
                       f"{summary['tflops_per_device']:.3f}",
                       "n/a" if peak is None else f"{peak / GiB:.2f}",

@@ -61,6 +61,8 @@ BAD_INPUT = {
     "expert axis on a dense model": ["llama405b-offload", "mesh.expert=2", "mesh.fsdp=4"],
     "expert axis not dividing the devices": ["deepseek671b-offload", "mesh.expert=3"],
     "expert axis below one": ["deepseek671b-offload", "mesh.expert=0"],
+    "expert axis below one, planned": ["deepseek671b-offload", "--plan", "mesh.expert=0"],
+    "negative expert axis, compiled": ["deepseek671b-offload", "--compile", "mesh.expert=-8"],
     "negative expert capacity": ["deepseek671b-offload", "expert_capacity=-1"],
     "negative seed": ["llama405b-offload", "seed=-1"],
     "seed past numpy's range": ["llama405b-offload", f"seed={2**64}"],

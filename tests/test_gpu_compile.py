@@ -19,7 +19,7 @@ import train
 from analysis import addressing, hlo, memory, predicted, replay, trace
 from analysis.traced import TracedStep
 from configs.gpus import GPUS
-from configs.llama3 import PIPELINED
+from configs import PIPELINED
 from model import common
 from model.config import DeepSeekConfig
 from runtime import backend, report

@@ -10,8 +10,7 @@ import configs
 from analysis import search_report as ps
 import train
 from configs.gpus import GPUS
-from analysis import memory, search
-from analysis.traced import TracedStep
+from analysis import plan, search
 from runtime import setup as runtime_setup
 
 
@@ -32,16 +31,48 @@ def test_deepseek_memory_facts():
                     "deepseek671b-offload": True}
 
 
-def test_predicted_memory_is_the_static_plans():
-    """The search's per-tag arithmetic gives the static plan's peak (traced with the row's
-    own policy) for the row whose on-device tags cost the most."""
-    row = configs.get("deepseek671b-device-mb8")
+@pytest.mark.parametrize("name", ["deepseek671b-device-mb8", "deepseek671b-offload",
+                                  "llama405b-offload-pipelined"])
+def test_predicted_memory_is_the_static_plans(name):
+    """The search's per-tag arithmetic gives `--plan`'s peak for the row whose on-device tags
+    cost the most, and for the rows that pipeline their host transfers (one layer's offloaded
+    tensors more on the device)."""
+    row = configs.get(name)
     tables = runtime_setup.placement_tables(row.model, row.run)
-    step = TracedStep(row.model, row.run, row.run.mesh.shape(row.run.mesh.devices))
-    lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
-    gpu = GPUS["gb200"]
-    peak = memory.plan(step, tables, lines, 0, gpu.host_memory).peak_estimate
-    assert predicted(row.name).device_bytes == peak
+    planned = plan.full_scale(row, tables)
+    assert (planned.pipelined > 0) == (name != "deepseek671b-device-mb8")
+    assert predicted(row.name).device_bytes == planned.peak_estimate
+
+
+def test_an_all_to_all_crosses_the_nics_only_for_what_leaves_its_nvlink_domain():
+    """Seconds per byte, by hand: 4 GPUs of a domain of 8 send 3/4 of the bytes over NVLink;
+    16 GPUs in two domains send 7/16 over NVLink while 8/16 cross the NICs at once."""
+    hw = search.Hardware("x", 1.0, nvlink=100.0, host_link=1.0, devices=16, capacity=0,
+                         host_capacity=0, network=10.0, domain=8)
+    assert hw.all_to_all_s(1) == 0
+    assert hw.all_to_all_s(4) == pytest.approx(3 / 4 / 100)
+    assert hw.all_to_all_s(16) == pytest.approx(max(7 / 16 / 100, 8 / 16 / 10))
+
+
+def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_mesh():
+    """A MoE model's degrees: every power of two from 2 to one NVLink domain that divides the
+    experts and the devices (and only those asked for when given); a dense model has none.
+    A candidate at another degree runs as that mesh, with its tables."""
+    row = configs.get("deepseek671b-offload")
+    assert ps.experts_of(row, "") == [2, 4, 8, 16, 32, 64]  # 128 GB200s: domains of 64
+    assert ps.experts_of(row, "16,4") == [4, 16]
+    for bad in ("3", "0", "512", "two"):
+        with pytest.raises(configs.ConfigError):
+            ps.experts_of(row, bad)
+    assert ps.experts_of(configs.get("llama405b-offload"), "") == [1]
+    with pytest.raises(configs.ConfigError):
+        ps.experts_of(configs.get("llama405b-offload"), "2")
+    tables = {"dense_layers": {"mlpwi_0": "offload"}, "moe_layers": {"moe_mlpwi_0": "device"}}
+    candidate = search.make_candidate(4, tables, search.Schedule(True), mesh=(1, 32, 4))
+    setup = runtime_setup.resolve(row.name, search.overrides(candidate, list(tables)),
+                                  full=True)
+    assert setup.run.mesh.shape(128) == (1, 32, 4) and setup.run.per_device_batch == 4
+    assert setup.tables == tables
 
 
 def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():

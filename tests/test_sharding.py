@@ -94,8 +94,8 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     """Expert parallelism with small blocks, against float64 numpy: per device, (token,
     expert) pairs in token order (then choice) fill their expert's block of C rows; the rest
     are dropped and add nothing; every kept pair is computed exactly. The drops are counted
-    per expert, and reported per expert group (the experts one device of the expert axis
-    holds): the whole's share and the worst group's."""
+    per expert, and reported for the whole and for the worst device of the expert axis (the
+    experts it holds)."""
     cfg, devices, capacity = SHARDED_DEEPSEEK, 8, 0.5
     rng = np.random.default_rng(3)
     x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
@@ -131,13 +131,13 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     assert dropped.sum() > 0
     np.testing.assert_array_equal(stats["expert_dropped"], dropped)
     load = np.bincount(experts.reshape(-1), minlength=cfg.n_experts)
-    groups = 4  # an expert axis of 4 devices, each holding 4 of the 16 experts
-    share = dropped.reshape(groups, -1).sum(1) / load.reshape(groups, -1).sum(1)
-    assert share.max() > share.min()  # the groups differ: the worst is not the mean
+    # The expert axis of 8 devices, each holding 2 of the 16 experts.
+    share = dropped.reshape(devices, -1).sum(1) / load.reshape(devices, -1).sum(1)
+    assert share.max() > share.min()  # the devices differ: the worst is not the mean
     metrics = expert_metrics({name: jnp.asarray(a)[None] for name, a in (
-        ("expert_load", load), ("expert_dropped", dropped))}, groups)
+        ("expert_load", load), ("expert_dropped", dropped))}, devices)
     np.testing.assert_allclose(metrics["expert_dropped"], dropped.sum() / load.sum())
-    np.testing.assert_allclose(metrics["expert_dropped_worst_group"], share.max())
+    np.testing.assert_allclose(metrics["expert_dropped_worst_device"], share.max())
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
 
 

@@ -89,8 +89,8 @@ def test_every_deepseek_rows_proxy_trains_with_its_experts_split_over_an_expert_
     devices as fsdp 2 x expert 4, as the full rows split theirs (fsdp 16 x expert 8), at the
     rows' capacity factor:
     two steps run to a finite loss (a loss that is not finite stops a run with status 1),
-    each step line says what was dropped, overall and in the worst expert group, and the
-    header names the split."""
+    each step line says what was dropped, overall and for the worst device's experts, and
+    the header names the split."""
     for name in DEEPSEEK_ROWS:
         code, out, err = run_cli([name, "steps=2", "seq=32", "model.n_layers=2",
                                   "model.vocab=512", "mesh.expert=4", "expert_capacity=1.0"],
@@ -99,4 +99,4 @@ def test_every_deepseek_rows_proxy_trains_with_its_experts_split_over_an_expert_
         assert "experts split over the 4 devices of each expert group (blocks 1x" in out
         assert "fsdp': 2, 'expert': 4" in out
         steps = [line for line in out.splitlines() if line.startswith("step ")]
-        assert len(steps) == 2 and all("(worst expert group" in line for line in steps)
+        assert len(steps) == 2 and all("(worst device's experts" in line for line in steps)

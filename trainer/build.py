@@ -69,7 +69,8 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
 
 def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target):
     """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
-    alone (under expert parallelism: one of run.mesh.expert devices of its expert group)."""
+    alone: under expert parallelism (run.mesh.expert > 1) its parameters then hold only that
+    device's E/mesh.expert routed experts (as analysis/traced.py makes them)."""
     return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
                    rules=rules, dtype=jnp.dtype(run.compute_dtype),
                    balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks,
@@ -85,7 +86,7 @@ def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, targ
         update = device_update(optimizer)
     step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
                    update=update, router_bias_rate=run.router_bias_rate,
-                   expert_groups=run.mesh.expert)
+                   expert_devices=run.mesh.expert)
     return jax.jit(step, donate_argnums=0)
 
 

@@ -79,29 +79,31 @@ def device_update(optimizer):
     return update
 
 
-def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_groups=1):
+def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_devices=1):
     """`update`: `device_update` or, for the state in host memory, trainer/host_state.py's;
-    `expert_groups`: the devices of the expert axis, whose experts' drops are reported apart."""
+    `expert_devices`: the devices of the expert axis, whose experts' drops are reported apart."""
     (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch)
     params, opt_state = update(grads, state["opt_state"], state["params"])
     metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
     if "expert_load" in aux:
         params = update_router_bias(params, aux["expert_load"], router_bias_rate)
-        metrics |= expert_metrics(aux, expert_groups)
+        metrics |= expert_metrics(aux, expert_devices)
         metrics["balance_loss"] = aux["balance_loss"].mean()
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-def expert_metrics(aux, groups: int) -> dict:
+def expert_metrics(aux, devices: int) -> dict:
     """The MoE layers' routing [L, E]: the most loaded expert over the mean (worst layer), the
-    share of (token, expert) pairs dropped for lack of room, overall and in the worst expert
-    group (the E/groups experts each device of the expert axis holds, in order)."""
+    share of (token, expert) pairs dropped for lack of room, overall and for the worst device
+    of the expert axis (its E/devices experts, in order; a device none of whose experts was
+    chosen drops nothing)."""
     load = aux["expert_load"].astype(jnp.float32)
-    per_group = rearrange(load, "l (g e) -> g (l e)", g=groups).sum(-1)
-    dropped = rearrange(aux["expert_dropped"], "l (g e) -> g (l e)", g=groups).sum(-1)
+    per_device = rearrange(load, "l (g e) -> g (l e)", g=devices).sum(-1)
+    dropped = rearrange(aux["expert_dropped"], "l (g e) -> g (l e)", g=devices).sum(-1)
+    share = jnp.where(per_device > 0, dropped / jnp.maximum(per_device, 1), 0.0)
     return {"expert_load_max_over_mean": (load.max(-1) / load.mean(-1)).max(),
             "expert_dropped": dropped.sum() / load.sum(),
-            "expert_dropped_worst_group": (dropped / per_group).max()}
+            "expert_dropped_worst_device": share.max()}
 
 
 def make_optimizer(cfg: OptimizerConfig, steps: int):
