@@ -56,15 +56,15 @@ def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
 # Under expert parallelism each device runs its experts as one GEMM over their blocks, whatever
 # expert_path says. Mesh (data, fsdp, expert).
 @pytest.mark.parametrize("expert_path, mesh", [
-    ("dense", (1, 8, 1)), ("sorted", (1, 8, 1)), ("dense", (1, 4, 2)), ("dense", (1, 2, 4)),
-    ("dense", (2, 2, 2))])
+    ("dense", (1, 8, 1)), ("sorted", (1, 8, 1)), ("dense", (1, 2, 4)), ("dense", (2, 2, 2))])
 def test_deepseek_over_8_devices_equals_one_device(expert_path, mesh):
     """MoE layers route each device's own tokens (shard_map), with the experts gathered (FSDP)
-    or split over the expert axis (expert parallelism, dropless blocks, FSDP-sharded over fsdp
-    along the expert axis and gathered there; with 2 data replicas or 2 fsdp shards, each
-    exchanging only within its own expert group), under the DeepSeek offload policy (what it
-    does not save, exchanges included, is recomputed): the loss, the expert loads and the
-    gradients equal those of one device without checkpointing; nothing is dropped."""
+    or split over an expert axis of 4 or 2 (expert parallelism, dropless blocks, FSDP-sharded
+    over fsdp along the expert axis and gathered there; with 2 fsdp shards, and with 2 data
+    replicas, each exchanging only within its own expert group), under the DeepSeek offload
+    policy (what it does not save, exchanges included, is recomputed): the loss, the expert
+    loads and the gradients equal those of one device without checkpointing; nothing is
+    dropped."""
     specs = deepseek.param_specs(SHARDED_DEEPSEEK)
     one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
