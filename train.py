@@ -135,10 +135,10 @@ def print_compile(name: str, args: list[str]) -> None:
     print("\n".join(plan.compiled_lines(compiled, built.full_plan, gpu)))
     flops = families.of(setup.model).training_flops(setup.model, run.per_device_batch, run.seq)
     prediction = predicted.predict(built.compiled.as_text(), gpu, len(target.devices), flops,
-                                   configs.STUDY_TFLOPS.get(name), keep_slices=True)
+                                   configs.STUDY_TFLOPS.get(name), keep_slices=True,
+                                   device_ids=[d.id for d in built.mesh.devices.flat])
     print("\n".join(predicted.lines(prediction)))
-    print(predicted.exchange_line(predicted.exchange_groups(
-        built.compiled.as_text(), gpu, [d.id for d in built.mesh.devices.flat])))
+    print(predicted.exchange_line(prediction.exchanges))
     if jax.process_index() == 0:
         folder = report.new_run_dir(run.out_dir, f"{name}-compile")
         predicted.write(prediction, compiled, built.full_plan, folder, name)

@@ -16,6 +16,7 @@ class StepPrediction:
     study_tflops: float | None  # the study's measured figure for this row, if it has one
     gpu: Gpu
     overlap: replay.Overlap
+    exchanges: dict | None = None  # exchange_groups, given the mesh's device ids
 
     @property
     def tflops(self) -> float:
@@ -24,11 +25,14 @@ class StepPrediction:
 
 def predict(compiled_hlo: str, gpu: Gpu, devices: int, model_flops: float,
             study_tflops: float | None = None, keep_slices: bool = False,
-            efficiency=None) -> StepPrediction:
+            efficiency=None, device_ids: list[int] | None = None) -> StepPrediction:
+    """The replay of the compiled program and, given the mesh's device ids, its all-to-alls
+    against the NVLink domains (the module parsed once for both)."""
     module = hlo.parse_module(compiled_hlo)
     result = replay.replay(module, gpu, devices, efficiency, keep_slices)
+    exchanges = None if device_ids is None else exchange_groups(module, gpu, device_ids)
     return StepPrediction(result, model_flops, study_tflops, gpu,
-                          replay.overlap(module, gpu, devices))
+                          replay.overlap(module, gpu, devices), exchanges)
 
 
 def efficiency_words(p: StepPrediction) -> str:
@@ -54,12 +58,11 @@ def schedule_words(o: replay.Overlap) -> str:
     return "; ".join(words)
 
 
-def exchange_groups(compiled_hlo: str, gpu: Gpu, device_ids: list[int]) -> dict:
+def exchange_groups(module: hlo.Module, gpu: Gpu, device_ids: list[int]) -> dict:
     """The compiled program's all-to-alls and their device groups (by the mesh's device ids)
     against the GPUs' NVLink domains: the model's own (the expert exchanges) and those XLA's
     partitioner adds to reshard a value (the embedding lookup's: the table is sharded along
     its width, the tokens along the batch)."""
-    module = hlo.parse_module(compiled_hlo)
     size = gpu.domain_size(len(device_ids))
     found = {"expert": [], "resharding": []}
     wrappers = {c for comp in module.computations.values() for ins in comp.instructions

@@ -60,12 +60,6 @@ class AxisRules:
             raise ValueError(f"logical axes {logical} map a mesh axis twice: {mapped}")
         return PartitionSpec(*mapped)
 
-    def size(self, logical: str) -> int:
-        """How many shards the mesh splits a logical axis into."""
-        axes = self._present(getattr(self, logical))
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        return math.prod(self.mesh.shape[a] for a in axes)
-
     def _present(self, axes: MeshAxes) -> MeshAxes:
         """`axes` less those the mesh does not have (a mesh without an axis is it at size 1)."""
         if axes is None or self.mesh is None:

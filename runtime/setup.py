@@ -43,10 +43,10 @@ class Setup:
 def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str,
                  devices: tuple):
     """(scale, why). Full scale needs exactly the accelerators of the (overridden) full mesh."""
-    mesh = configs.apply_overrides(*experiment.at_scale("full"), overrides)[1].mesh
-    if mesh.data < 1 or mesh.expert < 1:
-        raise ConfigError(f"mesh.data={mesh.data} and mesh.expert={mesh.expert} must be at "
-                          "least 1")
+    model, run = configs.apply_overrides(*experiment.at_scale("full"), overrides)
+    if bad := [line for line in configs.out_of_range(model, run) if line.startswith("mesh.")]:
+        raise ConfigError("; ".join(bad))  # the count of devices below needs the mesh sound
+    mesh = run.mesh
     need = mesh.devices if mesh.fsdp > 0 else None  # fsdp=-1: any multiple of data x expert
     have = f"{len(devices)} {devices[0].platform} device(s)"
     enough = devices[0].platform != "cpu" and (

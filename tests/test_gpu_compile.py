@@ -17,6 +17,7 @@ import pytest
 import configs
 import train
 from analysis import addressing, hlo, memory, predicted, replay, trace
+from analysis.hlo import parse_module
 from analysis.traced import TracedStep
 from configs.gpus import GPUS
 from configs import PIPELINED
@@ -125,7 +126,7 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         assert {(q[-1], k[-1], v[-1]) for q, k, v in attention} == {
             (qk, qk, experiment.model.v_head_dim)}
     if family == "deepseek":  # each expert exchange over one expert group, in one NVLink domain
-        found = predicted.exchange_groups(hlo, GPUS[experiment.run.device],
+        found = predicted.exchange_groups(parse_module(hlo), GPUS[experiment.run.device],
                                           [d.id for d in built.mesh.devices.flat])["expert"]
         assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
         assert not found["crossing"]

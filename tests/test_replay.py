@@ -127,12 +127,13 @@ def test_the_compile_output_tells_the_expert_exchanges_inside_one_domain_from_th
     text = ("HloModule m, is_scheduled=true\n\n" + EXCHANGES + f"\nENTRY %main (a: f32[{N}]) "
             f"-> f32[{N}] {{\n" + EXCHANGED.strip() + "\n}\n")
     gpu = dataclasses.replace(GPU, nvlink_domain=8)
-    found = predicted.exchange_groups(text, gpu, list(range(16)))
+    found = predicted.exchange_groups(hlo.parse_module(text), gpu, list(range(16)))
     assert found["expert"] == {"count": 1, "sizes": [4], "domain": 8, "crossing": []}
     assert found["resharding"]["count"] == 1 and found["resharding"]["sizes"] == [16]
     assert found["resharding"]["crossing"] == [tuple(range(16))]
     interleaved = [8 * (k % 2) + k // 2 for k in range(16)]
-    crossing = predicted.exchange_groups(text, gpu, interleaved)["expert"]["crossing"]
+    crossing = predicted.exchange_groups(hlo.parse_module(text), gpu,
+                                         interleaved)["expert"]["crossing"]
     assert len(crossing) == 4 and crossing[0] == (0, 8, 1, 9)
     assert "each inside one NVLink domain" in predicted.exchange_line(found)
 
