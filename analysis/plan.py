@@ -132,15 +132,16 @@ def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryP
 
 def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
     """What `gpu` makes of the run's NVFP4 (the choice trainer/target.py's `quantization`
-    makes for the compile)."""
+    makes for the compile), and why where it has no FP4 speed-up."""
     on = target.Target("gpu", gpu.capability)
-    if target.quantization(run, on).path == "scaled":
-        return f"the layer matrices multiplied in FP4 on the {gpu.name}'s FP4 tensor cores"
+    chosen = target.quantization(run, on)
+    words = target.quantization_words(chosen)
+    if chosen.path == "scaled":
+        return f"{words} (the {gpu.name}'s)"
     major, minor = gpu.capability
     why = (f"JAX's FP4 product takes 1x16 blocks, not {run.quant_tiles}" if on.blackwell else
            f"the {gpu.name} (compute capability {major}.{minor}) has no FP4 tensor cores")
-    return ("the layer weights quantized-dequantized to NVFP4, multiplied in the compute dtype: "
-            f"no FP4 speed-up ({why})")
+    return f"{words} ({why})"
 
 
 def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,

@@ -26,7 +26,7 @@ class Tagged:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape)) * self.dtype.itemsize  # also a PRNG key's
 
 
 def _sub_jaxprs(eqn) -> Iterator[jex_core.Jaxpr]:
@@ -121,7 +121,7 @@ class Residual:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape)) * self.dtype.itemsize  # also a PRNG key's
 
     @property
     def is_argument(self) -> bool:

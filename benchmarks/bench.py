@@ -105,13 +105,16 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
           f"{time.perf_counter() - started:.1f} s")
 
 
-QUANT_ROWS = {"none": dict(quant="none"), "nvfp4 1x16": dict(quant="nvfp4", quant_tiles="1x16"),
-              "nvfp4 16x16": dict(quant="nvfp4", quant_tiles="16x16")}
+QUANT_ROWS = {"none": dict(quant="none"),
+              "1x16, bf16 bwd": dict(quant="nvfp4", quant_tiles="1x16", quant_backward="bf16"),
+              "16x16, bf16 bwd": dict(quant="nvfp4", quant_tiles="16x16", quant_backward="bf16"),
+              "16x16, fp4 bwd": dict(quant="nvfp4", quant_tiles="16x16", quant_backward="fp4")}
 
 
 def nvfp4_costs(model, run, repeats: int) -> None:
-    """What fake quantization costs a proxy step, and how far it moves the logits of the
-    same (random) weights from unquantized bf16 ones."""
+    """What NVFP4 costs a proxy step on this machine (the dequantize path: the values of the
+    FP4 GEMMs, multiplied in the compute dtype), and how far it moves the logits of the same
+    (random) weights from unquantized bf16 ones."""
     times = {row: step_time(model, dataclasses.replace(run, **changes), run.policy, repeats)
              for row, changes in QUANT_ROWS.items()}
     params = proxy_params(model)
@@ -129,15 +132,16 @@ def nvfp4_costs(model, run, repeats: int) -> None:
     errors = {"none, f32": logits(jnp.float32, QUANT_ROWS["none"])}
     errors.update({f"{row}, bf16": logits(jnp.bfloat16, changes)
                    for row, changes in QUANT_ROWS.items() if row != "none"})
-    print(f"NVFP4 weights, policy {run.policy} (the quantize-dequantize accuracy path):")
-    print(f"{'quant':<14}{'step ms':>9}{'vs none':>10}")
+    print(f"NVFP4, policy {run.policy} (the dequantize path: FP4 values, GEMMs in the compute "
+          "dtype):")
+    print(f"{'quant':<17}{'step ms':>9}{'vs none':>10}")
     for row, seconds in times.items():
-        print(f"{row:<14}{seconds * 1e3:>9.1f}{seconds / times['none']:>10.2f}")
+        print(f"{row:<17}{seconds * 1e3:>9.1f}{seconds / times['none']:>10.2f}")
     print(f"logits against unquantized bf16 logits (random init, {tokens.size} tokens):")
-    print(f"{'weights, compute':<20}{'rel. error':>12}{'max |diff| / max |logit|':>28}")
+    print(f"{'weights, compute':<23}{'rel. error':>12}{'max |diff| / max |logit|':>28}")
     for row, values in errors.items():
         diff = values - reference
-        print(f"{row:<20}{np.linalg.norm(diff) / np.linalg.norm(reference):>12.4f}"
+        print(f"{row:<23}{np.linalg.norm(diff) / np.linalg.norm(reference):>12.4f}"
               f"{np.abs(diff).max() / np.abs(reference).max():>28.4f}")
 
 

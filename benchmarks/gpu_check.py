@@ -135,29 +135,36 @@ def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
 
 
 def check_nvfp4() -> list[str]:
-    """NVFP4 logits of the small model: the dequantize path on this backend against the CPU's,
-    in f32 at highest precision; on a Blackwell GPU also the FP4 scaled-dot path (which
-    quantizes activations too, so it is compared, not expected equal)."""
+    """NVFP4 (every GEMM in FP4) of the small model: the dequantize path's loss and gradients
+    on this backend against the CPU's, in f32 at highest precision; on a Blackwell GPU also
+    the FP4 tensor cores' (path "scaled") against the dequantize path's in bf16: the same
+    quantized values, so only the GEMMs' accumulation and bf16 rounding may differ."""
     params = random_params(SMOKE, jnp.float32)
-    tokens = jax.random.randint(jax.random.key(2), (2, 64), 0, SMOKE.vocab)
+    tokens = jax.random.randint(jax.random.key(2), (2, 65), 0, SMOKE.vocab)
     cpu = jax.devices("cpu")[0]
 
-    def logits(path, dtype, device=None):
-        forward = partial(llama.forward, cfg=SMOKE, dtype=dtype,
-                          quantization=quant.Quantization(path))
+    def loss_and_grads(path, dtype, device=None):
+        loss = partial(trainer_step.loss_fn, model=SMOKE, policies=None, rules=None,
+                       dtype=dtype, quantization=quant.Quantization(path))
         args = jax.device_put((params, tokens), device) if device else (params, tokens)
-        return np.asarray(jax.jit(forward)(*args)[0], np.float64)
+        (value, _), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+            *args, jax.random.key(3))
+        return np.concatenate([np.ravel(np.asarray(value, np.float64))] + [
+            np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)])
 
     with jax.default_matmul_precision("highest"):
-        here, there = logits("dequantize", jnp.float32), logits("dequantize", jnp.float32, cpu)
-    scale = np.abs(there).max()
-    lines = [f"nvfp4 dequantize path, {jax.default_backend()} vs cpu: max|diff| "
-             f"{np.abs(here - there).max() / scale:.2e} of max|logit|  "
-             f"{'OK' if np.abs(here - there).max() <= 1e-5 * scale else 'WRONG'}"]
+        here = loss_and_grads("dequantize", jnp.float32)
+        there = loss_and_grads("dequantize", jnp.float32, cpu)
+    # A last-bit difference upstream may round a block's code the other way: compared as a
+    # whole, not element by element.
+    error = np.linalg.norm(here - there) / np.linalg.norm(there)
+    lines = [f"nvfp4 dequantize path, {jax.default_backend()} vs cpu: loss and gradients, rel. "
+             f"error {error:.2e}  {'OK' if error <= 1e-3 else 'WRONG'}"]
     if trainer_target.this_machine().blackwell:
-        scaled, dequantized = logits("scaled", jnp.bfloat16), logits("dequantize", jnp.bfloat16)
-        lines.append(f"nvfp4 scaled (FP4 tensor cores) vs dequantize path, bf16: rel. error "
-                     f"{np.linalg.norm(scaled - dequantized) / np.linalg.norm(dequantized):.3f}")
+        scaled, dequantized = (loss_and_grads(p, jnp.bfloat16) for p in ("scaled", "dequantize"))
+        error = np.linalg.norm(scaled - dequantized) / np.linalg.norm(dequantized)
+        lines.append(f"nvfp4 on FP4 tensor cores vs the dequantize path, bf16: rel. error "
+                     f"{error:.2e}  {'OK' if error <= 2e-2 else 'WRONG'}")
     return lines
 
 
@@ -190,7 +197,8 @@ def main(argv: list[str]) -> int:
           "backward, no optimizer; TFLOP/s by MaxText's formula; replayed_ms: the same compiled "
           "program replayed on configs/gpus.py's figures, nan off a known GPU)")
     proven = all(v == addressing.CHECKED for r in correctness for v in r["addressing"])
-    return 0 if all(r["ok"] for r in correctness) and proven and "WRONG" not in nvfp4[0] else 1
+    return 0 if all(r["ok"] for r in correctness) and proven and not any(
+        "WRONG" in line for line in nvfp4) else 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ ModelConfig = LlamaConfig | DeepSeekConfig
 DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
 QUANTS = ("none", "nvfp4")
-QUANT_TILES = ("1x16", "16x16")
+QUANT_TILES = ("16x16", "1x16")
+QUANT_BACKWARDS = ("fp4", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,9 @@ class RunConfig:
     placements: Mapping[str, str] = dataclasses.field(default_factory=dict)  # policy.<tag>=...
     xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
     quant: str = "none"  # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
-    quant_tiles: str = "1x16"  # weight block scales per 1x16 block or per 16x16 tile (TE)
+    quant_tiles: str = "16x16"  # weight block scales per 16x16 tile (TE's recipe) or 1x16 block
+    # fp4: Dgrad and Wgrad in NVFP4 too (TE's recipe); bf16: the forward only (JAX's own).
+    quant_backward: str = "fp4"
     data: DataConfig = DataConfig()
     seed: int = 0
     scale: str = "auto"
@@ -300,7 +303,8 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     experts = _expert_problems(model, run, fsdp)
     found += out_of_range(model, run, found + experts)
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": QUANTS, "quant_tiles": QUANT_TILES, "device": tuple(GPUS),
+               "quant": QUANTS, "quant_tiles": QUANT_TILES, "quant_backward": QUANT_BACKWARDS,
+               "device": tuple(GPUS),
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
                "optimizer_state": ("device", "host")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
@@ -309,6 +313,7 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
         found.append(f"data.dtype={run.data.dtype!r}: choose uint16 or uint32")
     if run.loss_chunks >= 1 and run.seq % run.loss_chunks:
         found.append(f"seq={run.seq} is not divisible into loss_chunks={run.loss_chunks}")
+    found += _fp4_backward_problems(run)
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")
@@ -324,6 +329,18 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found += [f"xla_flags.{flag}: XLA flag names start with xla_"
               for flag in run.xla_flags if not flag.startswith("xla_")]
     return found
+
+
+def _fp4_backward_problems(run: RunConfig) -> list[str]:
+    if run.quant != "nvfp4" or run.quant_backward != "fp4":
+        return []
+    if run.quant_tiles != "16x16":
+        return [f"quant_backward=fp4 reuses the forward's quantized weights transposed, which "
+                f"needs quant_tiles=16x16 (got {run.quant_tiles}; or quant_backward=bf16)"]
+    if run.seq % 16:
+        return [f"quant_backward=fp4 quantizes the weight gradient's operands in blocks of 16 "
+                f"tokens: seq={run.seq} must be a multiple of 16"]
+    return []
 
 
 def _expert_problems(model: ModelConfig, run: RunConfig, fsdp: int) -> list[str]:

@@ -88,11 +88,12 @@ class Gpu:
 BLACKWELL = {"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15}
 HOPPER = {"bf16": 989e12, "fp8": 1979e12, "tf32": 495e12}
 GPUS = {gpu.name: gpu for gpu in (
-    # bf16 fitted on deepseek671b-offload (`make step-times`, docs/replay.md); FP4 cannot be:
-    # at its peak every Llama row replays below the study.
+    # bf16 fitted on deepseek671b-offload, FP4 on llama405b-baseline (`make step-times`,
+    # docs/replay.md).
     Gpu("gb200", per_host=4, host_memory=240 * 10**9, peaks=BLACKWELL, nvlink=900e9,
         nvlink_domain=72, network=50e9, host_link=450e9, host_link_gpus=2,
-        efficiency={"bf16": 0.651}, calibrated_on={"bf16": "deepseek671b-offload"}),
+        efficiency={"bf16": 0.651, "fp4": 0.514},
+        calibrated_on={"bf16": "deepseek671b-offload", "fp4": "llama405b-baseline"}),
     Gpu("b200", per_host=8, host_memory=256 * 10**9,
         peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.125e15}, nvlink=900e9,
         nvlink_domain=8,

@@ -28,8 +28,10 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
                  loss_chunks=1)
 
 # The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16
-# activations, NVFP4 weights. The loss in 8 chunks (the logits and their gradient would be
-# 15.6 GiB at once). No checkpoints of these 10-step rows (checkpoint_every=N turns them on).
+# activations, NVFP4 as Transformer Engine's recipe (every layer matrix's three GEMMs in FP4,
+# 16x16 weight tiles: the RunConfig defaults of quant=nvfp4). The loss in 8 chunks (the logits
+# and their gradient would be 15.6 GiB at once). No checkpoints of these 10-step rows
+# (checkpoint_every=N turns them on).
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
                        compute_dtype="bfloat16", quant="nvfp4", loss_chunks=8,
                        checkpoint_every=0)

@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
-from model import quant
+from model import fp4, quant
 from model.config import Llama3RopeScaling, YarnScaling
 
 MeshAxes = str | tuple[str, ...] | None
@@ -240,22 +240,41 @@ def quantizable(name: str, ndim: int, unquantized=()) -> bool:
     return ndim >= 2 and name not in unquantized
 
 
-def layer_weights(w: dict, dtype, quantization: quant.Quantization | None, unquantized=()):
+def layer_weights(w: dict, dtype, quantization: quant.Quantization | None, unquantized=(),
+                  key: jax.Array | None = None, rules: AxisRules | None = None):
     """A layer's weights as its forward uses them: in the compute dtype and, under
-    `quantization`, its matrices (but those named in `unquantized`) marked for NVFP4."""
-    def prepare(name: str, a: jax.Array):
+    `quantization`, its matrices (but those named in `unquantized`) marked for NVFP4, each
+    with its own share of the layer's `key` (the rounding bits of an FP4 backward) and, with
+    `rules`, gathered whole (replicated) as FP4 codes."""
+    gathered = None if rules is None else rules.sharding(())
+
+    def prepare(index: int, name: str, a: jax.Array):
         a = a.astype(dtype)
         if quantization is None or not quantizable(name, a.ndim, unquantized):
             return a
-        return quant.NVFP4Weight(a, quantization)
-    return {name: prepare(name, a) for name, a in w.items()}
+        return quant.NVFP4Weight(a, None if key is None else jax.random.fold_in(key, index),
+                                 quantization, gathered)
+    return {name: prepare(i, name, a) for i, (name, a) in enumerate(sorted(w.items()))}
+
+
+def layer_keys(key: jax.Array | None, quantization: quant.Quantization | None, layers: int):
+    """One key per layer of a scan for an FP4 backward's stochastic rounding (None without
+    one); a forward given no key (evaluation, tracing) uses key 0."""
+    if quantization is None or quantization.backward != "fp4":
+        return None
+    return jax.random.split(jax.random.key(0) if key is None else key, layers)
 
 
 def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
-    """x times a weight, as `jnp.einsum`; a weight marked NVFP4 is quantized in 16-blocks
-    along its last contracted axis (for "btnh,nhd->btd", h: blocks stay within a head)."""
+    """x times a weight, as `jnp.einsum`. A weight marked NVFP4 goes through
+    `fp4.fp4_einsum` (every GEMM in FP4) or, with a bf16 backward, `quant.nvfp4_einsum`,
+    quantized in 16-blocks along its last contracted axis (for "btnh,nhd->btd", h: blocks
+    stay within a head)."""
     if not isinstance(w, quant.NVFP4Weight):
         return jnp.einsum(subscripts, x, w)
+    if w.quantization.backward == "fp4":
+        return fp4.fp4_einsum(subscripts, x, w.value, w.key, w.quantization.path,
+                                w.gathered)
     inputs, out = subscripts.split("->")
     letters = inputs.split(",")[1]
     axis = max(i for i, letter in enumerate(letters) if letter not in out)

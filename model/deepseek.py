@@ -15,9 +15,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
-                          constrain, einsum, layer_weights, param_count, rms_norm, rope_tables,
-                          scan_layers, stack, swiglu, unembed, yarn_attention_factor,
-                          yarn_frequencies, yarn_mscale)
+                          constrain, einsum, layer_keys, layer_weights, param_count, rms_norm,
+                          rope_tables, scan_layers, stack, swiglu, unembed,
+                          yarn_attention_factor, yarn_frequencies, yarn_mscale)
 from model.config import DeepSeekConfig
 from model.experts import EXPERT_PATHS, ExpertParallel, experts_exchanged
 from model.quant import Quantization
@@ -257,7 +257,7 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
 def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
            dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
            expert_parallel: ExpertParallel | None = None,
-           quantization: Quantization | None = None):
+           quantization: Quantization | None = None, key: jax.Array | None = None):
     """tokens [B, T] -> (the last layer's output [B, T, D], before the final norm; per MoE
     layer {"expert_load": tokens per expert [L_moe, E], "balance_loss": [L_moe],
     "expert_dropped": [L_moe, E]}).
@@ -266,26 +266,31 @@ def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
     `expert_parallel` splits the routed experts over the devices of the `exchange` axis.
     `quantization` multiplies the attention, dense-MLP and shared-expert matrices in NVFP4;
     the router and the routed experts (grouped GEMMs, as in MaxText's TE path) stay as they
-    are.
+    are; `key` draws an FP4 backward's rounding bits.
     """
     cos, sin = rope_for(cfg, tokens.shape[1], dtype)
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
                   ("batch", "seq", None))
 
-    def dense_layer(x, w):
-        w = layer_weights(w, dtype, quantization)
+    def dense_layer(x, inputs):
+        w, layer_key = inputs
+        w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
         return dense_block(x, w, cfg, cos, sin, rules, attention), None
 
-    def moe_layer(x, w):
+    def moe_layer(x, inputs):
+        w, layer_key = inputs
         router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as HF routes
-        w = {**layer_weights(w, dtype, quantization, UNQUANTIZED), **router}
+        w = {**layer_weights(w, dtype, quantization, UNQUANTIZED, layer_key, rules), **router}
         return moe_block(x, w, cfg, cos, sin, rules, expert_path, attention, expert_parallel)
 
     policies = policies or {}
-    x, _ = scan_layers(dense_layer, x, params["dense_layers"], policies.get("dense_layers"),
-                       "dense_layers")
-    x, stats = scan_layers(moe_layer, x, params["moe_layers"], policies.get("moe_layers"),
-                           "moe_layers")
+    keys = layer_keys(key, quantization, cfg.n_layers)
+    dense = None if keys is None else keys[:cfg.n_dense_layers]
+    moe_keys = None if keys is None else keys[cfg.n_dense_layers:]
+    x, _ = scan_layers(dense_layer, x, (params["dense_layers"], dense),
+                       policies.get("dense_layers"), "dense_layers")
+    x, stats = scan_layers(moe_layer, x, (params["moe_layers"], moe_keys),
+                           policies.get("moe_layers"), "moe_layers")
     return x, stats
 
 

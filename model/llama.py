@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
-                          constrain, einsum, layer_weights, param_count, rms_norm,
+                          constrain, einsum, layer_keys, layer_weights, param_count, rms_norm,
                           rope_frequencies, rope_tables, scan_layers, stack, swiglu, unembed)
 from model.quant import Quantization
 from model.config import LlamaConfig
@@ -74,25 +74,28 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
 
 def decode(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
            dtype=jnp.bfloat16, attention: str | None = None,
-           quantization: Quantization | None = None):
+           quantization: Quantization | None = None, key: jax.Array | None = None):
     """tokens [B, T] int -> (the last layer's output [B, T, D], before the final norm; {}).
 
     `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
     none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
     `dtype` (the compute dtype) per layer and, under `quantization`, its matrices multiplied in
-    NVFP4 (embeddings and LM head stay as they are). `attention` picks the attention kernel
-    (`causal_attention`).
+    NVFP4 (embeddings and LM head stay as they are), `key` drawing an FP4 backward's rounding
+    bits. `attention` picks the attention kernel (`causal_attention`).
     """
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)
     x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
     x = constrain(x, rules, ("batch", "seq", None))
 
-    def layer(x, w):
-        w = layer_weights(w, dtype, quantization)
+    def layer(x, inputs):
+        w, layer_key = inputs
+        w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
         return block(x, w, cfg, cos, sin, rules, attention), None
 
-    x, _ = scan_layers(layer, x, params["layers"], (policies or {}).get("layers"), "layers")
+    keys = layer_keys(key, quantization, cfg.n_layers)
+    x, _ = scan_layers(layer, x, (params["layers"], keys), (policies or {}).get("layers"),
+                       "layers")
     return x, {}
 
 

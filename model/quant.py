@@ -1,4 +1,5 @@
-"""NVFP4 weights: E2M1 codes, one E4M3 scale per 16 elements, one FP32 scale per tensor.
+"""NVFP4: E2M1 codes, one E4M3 scale per 16 elements, one FP32 scale per tensor; and JAX's own
+forward-only NVFP4 product (model/fp4.py has Transformer Engine's, every GEMM in FP4).
 
 The encoding is Transformer Engine's quantize kernel (`core_nvfp4.cuh`), in FP32:
   S_enc = 2688 / amax (448 * 6: the largest E4M3 scale times the largest E2M1 code),
@@ -6,7 +7,8 @@ The encoding is Transformer Engine's quantize kernel (`core_nvfp4.cuh`), in FP32
   code = e2m1(clip(x * min(1 / (block scale * S_dec), FLT_MAX), -6, 6)), S_dec = 1 / S_enc,
 so x ~ code * block scale * S_dec. Blocks run along the contraction axis (`axis`), because
 a block-scaled GEMM multiplies 16-element slices of K. TE's weight recipe takes one scale per
-16x16 tile (`two_d`), so that W and W^T quantize to the same values.
+16x16 tile (`two_d`), so that W and W^T quantize to the same values. Gradients round their
+codes stochastically (`bits`). Rules and sources: docs/model.md.
 """
 
 import dataclasses
@@ -29,18 +31,26 @@ class QuantError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """How a model's layer matrices are multiplied in NVFP4 (see `nvfp4_einsum`): `path`
-    "dequantize" (any backend) or "scaled" (Blackwell); `two_d`: 16x16 weight tiles."""
+    """How a model's layer matrices are multiplied in NVFP4. `backward` "fp4": all three GEMMs
+    in NVFP4 (`fp4.fp4_matmul`, Transformer Engine's recipe; needs `two_d`, 16x16 tiles);
+    "bf16": the forward only, the backward in the compute dtype (`nvfp4_einsum`). `path`
+    "scaled": Blackwell's block-scaled GEMM; "dequantize": codes times scales, then an
+    ordinary GEMM in the compute dtype (any backend, the same values)."""
     path: str = "dequantize"
-    two_d: bool = False
+    two_d: bool = True
+    backward: str = "fp4"
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NVFP4Weight:
-    """A layer weight in the compute dtype, marked to be multiplied in NVFP4."""
+    """A layer weight in the compute dtype, marked to be multiplied in NVFP4; `key`: the
+    random bits of its gradients' stochastic rounding and `gathered`, the sharding its codes
+    are gathered to (backward "fp4")."""
     value: jax.Array
+    key: jax.Array | None
     quantization: Quantization = dataclasses.field(metadata={"static": True})
+    gathered: object = dataclasses.field(default=None, metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +62,7 @@ class NVFP4Tensor:
     block, also with 16x16 tiles, where the 16 rows of a tile repeat its scale. That is the
     per-row layout a block-scaled GEMM reads, and dequantize needs no case for tiles.
     """
-    codes: jax.Array  # float4_e2m1fn, the weight's shape
+    codes: jax.Array  # float4_e2m1fn (or its values in a float dtype), the weight's shape
     block_scales: jax.Array  # float8_e4m3fn
     tensor_scale: jax.Array  # f32 scalar, S_dec ~ amax / 2688
     axis: int = dataclasses.field(metadata={"static": True})
@@ -75,7 +85,7 @@ def _checked_axis(shape: tuple[int, ...], axis: int, two_d: bool) -> int:
     return axis
 
 
-def _split(x: jax.Array, axis: int) -> jax.Array:
+def split_blocks(x: jax.Array, axis: int) -> jax.Array:
     """Split `axis` into (blocks, 16): the block's elements are then on axis + 1."""
     return x.reshape(x.shape[:axis] + (x.shape[axis] // BLOCK, BLOCK) + x.shape[axis + 1:])
 
@@ -94,16 +104,46 @@ def tensor_scale(x: jax.Array) -> jax.Array:
 
 def _block_amax(x: jax.Array, axis: int, two_d: bool) -> jax.Array:
     """Max |x| per 16-element block along `axis`; with `two_d`, per 16x16 tile, repeated."""
-    amax = jnp.max(jnp.abs(_split(x, axis)), axis=axis + 1)
+    amax = jnp.max(jnp.abs(split_blocks(x, axis)), axis=axis + 1)
     if not two_d:
         return amax
-    rows = _split(amax, _tile_axis(x.ndim, axis))
+    rows = split_blocks(amax, _tile_axis(x.ndim, axis))
     tiles = jnp.max(rows, axis=_tile_axis(x.ndim, axis) + 1, keepdims=True)
     return jnp.broadcast_to(tiles, rows.shape).reshape(amax.shape)
 
 
-def quantize(w: jax.Array, axis: int, two_d: bool = False) -> NVFP4Tensor:
-    """NVFP4 encoding of `w` (any float dtype, computed in f32), 16-blocks along `axis`."""
+def _e2m1_step(magnitude: jax.Array) -> jax.Array:
+    """The spacing of E2M1 values around `magnitude`: 0.5 up to 2, 1 up to 4, 2 up to 6."""
+    return jnp.where(magnitude < 2, 0.5, jnp.where(magnitude < 4, 1.0, 2.0))
+
+
+def round_nearest(v: jax.Array) -> jax.Array:
+    """v (f32, within [-6, 6]) onto the E2M1 grid, to nearest, ties to even (as a cast to
+    E2M1 rounds), in f32 arithmetic: exact, as step is a power of two."""
+    magnitude = jnp.abs(v)
+    step = _e2m1_step(magnitude)
+    return jnp.copysign(jnp.round(magnitude / step) * step, v)
+
+
+def round_stochastic(v: jax.Array, bits: jax.Array) -> jax.Array:
+    """v (f32, within [-6, 6]) onto the E2M1 grid, rounded away from zero with probability
+    (|v| - lo) / (hi - lo) between its neighbours lo <= |v| <= hi, so unbiased: up where
+    the top 24 of the uint32 `bits`, as a fraction of 2**24, fall below that probability.
+    (The same distribution as PTX's cvt.rs, not its use of the bits.)"""
+    magnitude = jnp.abs(v)
+    step = _e2m1_step(magnitude)
+    low = jnp.floor(magnitude / step) * step
+    uniform = (bits >> 8).astype(jnp.float32) * 2.0**-24
+    rounded = jnp.where(uniform < (magnitude - low) / step, low + step, low)
+    return jnp.copysign(rounded, v)
+
+
+def quantize(w: jax.Array, axis: int, two_d: bool = False, bits: jax.Array | None = None,
+             codes_dtype=jnp.float4_e2m1fn) -> NVFP4Tensor:
+    """NVFP4 encoding of `w` (any float dtype, computed in f32), 16-blocks along `axis`;
+    codes rounded to nearest even, or stochastically with `bits` (uint32, w's shape), held
+    as E2M1 or, for a GEMM of dequantized values, in `codes_dtype` (the same values: every
+    E2M1 value is exact in bf16; a CPU converts to and from E2M1 in software)."""
     axis = _checked_axis(w.shape, axis, two_d)
     x = w.astype(jnp.float32)
     s_enc = _encode_scale(x)
@@ -116,14 +156,20 @@ def quantize(w: jax.Array, axis: int, two_d: bool = False) -> NVFP4Tensor:
     rounded = jax.lax.optimization_barrier(scales).astype(jnp.float32)
     # A zero block has scale 0: 1/0 = inf would give 0 * inf = NaN, FLT_MAX gives 0.
     encode = jnp.minimum(1 / (rounded * s_dec), FLT_MAX)
-    codes = jnp.clip(_split(x, axis) * jnp.expand_dims(encode, axis + 1), -E2M1_MAX, E2M1_MAX)
-    return NVFP4Tensor(codes.astype(jnp.float4_e2m1fn).reshape(w.shape), scales, s_dec, axis,
-                       two_d)
+    codes = jnp.clip(split_blocks(x, axis) * jnp.expand_dims(encode, axis + 1), -E2M1_MAX, E2M1_MAX)
+    codes = codes.reshape(w.shape)
+    if bits is not None:
+        codes = round_stochastic(codes, bits)
+    elif codes_dtype != jnp.float4_e2m1fn:
+        codes = round_nearest(codes)  # what the cast to E2M1 does, which a CPU does slowly
+    # (Cast straight from the scaled values, XLA's SPMD partitioner gathers the E2M1 codes of
+    # a sharded weight; from round_nearest's f32 values it gathers those.)
+    return NVFP4Tensor(codes.astype(codes_dtype), scales, s_dec, axis, two_d)
 
 
 def dequantize(q: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
     """codes * block scale * tensor scale, in f32, then cast to `dtype`."""
-    codes = _split(q.codes.astype(jnp.float32), q.axis)
+    codes = split_blocks(q.codes.astype(jnp.float32), q.axis)
     scales = jnp.expand_dims(q.block_scales.astype(jnp.float32), q.axis + 1)
     return (codes * scales * q.tensor_scale).reshape(q.codes.shape).astype(dtype)
 

@@ -41,8 +41,8 @@ _absl.setLevel(_level)
 # Settings that change the trained numbers: a resume must match them. The rest (placement,
 # mesh and device count, kernels, XLA flags, output, profiling) may change between runs.
 _SAME_ON_RESUME = ("seq", "steps", "optimizer", "compute_dtype", "param_dtype", "quant",
-                   "quant_tiles", "data", "seed", "expert_capacity", "router_bias_rate",
-                   "balance_loss_weight")
+                   "quant_tiles", "quant_backward", "data", "seed", "expert_capacity",
+                   "router_bias_rate", "balance_loss_weight")
 
 
 def _first_line(error: Exception) -> str:

@@ -21,7 +21,7 @@ from analysis import plan
 from model import common, families
 from model.config import LlamaConfig
 from runtime import backend
-from trainer.target import compiler_options, forward_options
+from trainer.target import compiler_options, forward_options, quantization_words
 
 GiB = 2**30
 
@@ -55,7 +55,7 @@ def kernels_line(model, run, target) -> str:
     parts = []
     for name, value in options.items():
         if name == "quantization":
-            parts.append(_quantization_words(value))
+            parts.append(quantization_words(value))
         elif name != "expert_parallel":
             parts.append(f"{name} {value or 'xla'}")
         else:
@@ -64,17 +64,6 @@ def kernels_line(model, run, target) -> str:
             parts.append(f"experts split over the {value.devices} devices of each expert "
                          f"group ({room}; one GEMM per expert)")
     return ", ".join(parts)
-
-
-def _quantization_words(value) -> str:
-    if value is None:
-        return "weights unquantized"
-    tiles = "16x16 tiles" if value.two_d else "1x16 blocks"
-    if value.path == "scaled":
-        return ("weights and activations NVFP4 (1x16 blocks) on FP4 tensor cores "
-                "(scaled_dot_general, backward in full precision)")
-    return (f"weights NVFP4 ({tiles}) quantized-dequantized, then GEMMs in the compute dtype: "
-            "an accuracy path, no FP4 speed-up")
 
 
 def flags_line(run, target) -> str:

@@ -33,6 +33,29 @@ def to_e2m1(x):
     return round_to_format(x, mantissa_bits=1, min_exponent=0)
 
 
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def round_stochastic(x, bits):
+    """Stochastic rounding onto the E2M1 grid, from its definition: between the grid points
+    lo <= |x| <= hi, away from zero with probability (|x| - lo) / (hi - lo), taken as
+    u < p for u = (bits >> 8) / 2**24 (the top 24 of each uint32), the sign kept."""
+    magnitude = np.abs(np.asarray(x, np.float64))
+    index = np.clip(np.searchsorted(E2M1_GRID, magnitude, side="right") - 1, 0, 6)
+    low, high = E2M1_GRID[index], E2M1_GRID[index + 1]
+    p = (magnitude - low) / (high - low)
+    u = (np.asarray(bits, np.uint64) >> 8).astype(np.float64) / 2.0**24
+    rounded = np.where(u < p, high, low)
+    return np.where(np.signbit(x), -rounded, rounded)
+
+
+def hadamard16(signs) -> np.ndarray:
+    """H16 diag(signs) / 4, Sylvester's H16 written entry by entry: (-1)^popcount(i & j)."""
+    i, j = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    parity = np.vectorize(lambda n: bin(n).count("1") % 2)(i & j)
+    return np.where(parity, -1.0, 1.0) * np.asarray(signs, np.float64)[None, :] / 4
+
+
 def to_e4m3(x):
     """E4M3 (fn): 3 mantissa bits, exponents from -6, subnormal steps of 2**-9, max 448."""
     return round_to_format(x, mantissa_bits=3, min_exponent=-6)
@@ -64,9 +87,10 @@ def tile_axis(ndim: int, axis: int) -> int:
     return max(a for a in range(ndim) if a != axis)
 
 
-def encode(w, axis: int, two_d: bool = False, order: str = "te"):
+def encode(w, axis: int, two_d: bool = False, order: str = "te", bits=None):
     """NVFP4 of `w` -> (codes, block_scales, tensor_scale), all float64 values; `order`: the
-    block scale's rounding order (`block_scale`), Transformer Engine's unless asked.
+    block scale's rounding order (`block_scale`), Transformer Engine's unless asked; codes
+    rounded stochastically with `bits` (uint32, w's shape), else to nearest even.
 
     codes have w's shape; block_scales have w's shape with `axis` divided by 16 (one per
     16 elements along `axis`; with `two_d`, one per 16x16 tile, repeated over its rows).
@@ -88,7 +112,12 @@ def encode(w, axis: int, two_d: bool = False, order: str = "te"):
     scales = block_scale(block_amax, s_enc, order)
     with np.errstate(divide="ignore"):
         inverse = np.minimum(f32(1.0 / f32(scales * s_dec)), FLT_MAX)
-    codes = to_e2m1(np.clip(f32(blocks * inverse[..., None]), -6.0, 6.0))
+    scaled = np.clip(f32(blocks * inverse[..., None]), -6.0, 6.0)
+    if bits is None:
+        codes = to_e2m1(scaled)
+    else:
+        moved_bits = np.moveaxis(np.asarray(bits), axes, list(range(-len(axes), 0)))
+        codes = round_stochastic(scaled, moved_bits.reshape(scaled.shape))
 
     codes = np.moveaxis(codes.reshape(moved.shape), list(range(-len(axes), 0)), axes)
     scales = np.moveaxis(scales, list(range(-len(axes), 0)), axes)

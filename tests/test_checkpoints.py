@@ -72,7 +72,8 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     assert "PROXY" in out and "405,853,388,800 parameters" in out
     assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
     assert "x 126 layers = 70.9 GiB in host memory" in out  # the full-scale placement list
-    assert "weights NVFP4 (1x16 blocks) quantized-dequantized" in out
+    assert ("NVFP4 values (16x16 tiles) for every GEMM of the layer matrices, multiplied in the "
+            "compute dtype" in out)
     assert f"checkpoint  {whole / 'checkpoints' / '4'} (complete)" in out
     assert json.loads((whole / "summary.json").read_text())["median_step_s"] > 0
     assert list(losses(resumed)) == [3, 4]

@@ -226,11 +226,13 @@ def test_plan_says_what_nvfp4_runs_as_on_the_gpu(capsys):
     """Only Blackwell (compute capability 10) multiplies in FP4; an H200 quantizes and
     dequantizes the weights and multiplies in the compute dtype."""
     (line,) = [line for line in _plan("h200", capsys) if line.startswith("weights as NVFP4")]
-    assert "multiplied in FP4" not in line
-    assert ("the layer weights quantized-dequantized to NVFP4, multiplied in the compute dtype: "
-            "no FP4 speed-up (the h200 (compute capability 9.0) has no FP4 tensor cores)") in line
+    assert "FP4 tensor cores (the" not in line
+    assert ("NVFP4 values (16x16 tiles) for every GEMM of the layer matrices, multiplied in the "
+            "compute dtype: the same numbers, no FP4 speed-up (the h200 (compute capability "
+            "9.0) has no FP4 tensor cores)") in line
     (line,) = [line for line in _plan("gb200", capsys) if line.startswith("weights as NVFP4")]
-    assert "multiplied in FP4 on the gb200's FP4 tensor cores" in line
+    assert ("NVFP4: every GEMM of the layer matrices on FP4 tensor cores (the gb200's)"
+            in line)
 
 
 def test_bad_files_are_one_line_and_status_2(tmp_path, capsys):

@@ -88,6 +88,66 @@ def custom_call_operands(hlo: str, target: str) -> list[list[tuple[int, ...]]]:
     return found
 
 
+def _reachable(module, computation: str) -> list:
+    """The instructions a computation runs, through fusions, calls and async wrappers (not
+    into nested loops)."""
+    found = []
+    for ins in module.computations[computation].instructions:
+        found.append(ins)
+        if ins.opcode != "while":
+            found += [i for c in ins.called() if c in module.computations
+                      for i in _reachable(module, c)]
+    return found
+
+
+def _leaves(shape):
+    for element in shape.elements or ():
+        yield from _leaves(element)
+    if shape.elements is None:
+        yield shape
+
+
+def _body(loop) -> str:
+    return re.search(r"body=%?([\w.\-]+)", "body=" + loop.attrs["body"]).group(1)
+
+
+def layer_loops(module) -> list[collections.Counter]:
+    """Per while loop that runs block-scaled dots (a layer scan, forward or backward): its
+    FP4 GEMMs by the named scope of fp4_matmul (fp4_fprop / fp4_dgrad / fp4_wgrad)."""
+    loops = []
+    for computation in module.computations.values():
+        for loop in (i for i in computation.instructions if i.opcode == "while"):
+            gemms = collections.Counter(
+                (re.findall(r"fp4_(fprop|dgrad|wgrad)", i.attrs.get("metadata", "")) or
+                 ["elsewhere"])[0] for i in _reachable(module, _body(loop))
+                if i.opcode == "custom-call"
+                and "blockScaledDot" in i.attrs.get("custom_call_target", ""))
+            if gemms:
+                loops.append(gemms)
+    return loops
+
+
+def executed_gathers(module, computation: str = "", times: int = 1) -> collections.Counter:
+    """(dtype, shape) of every array an all-gather delivers, times how often a step runs it
+    (loops by their known trip counts)."""
+    found = collections.Counter()
+    for ins in module.computations[computation or module.entry.name].instructions:
+        if ins.opcode == "while":
+            trips = int(ins.backend_config().get("known_trip_count", {}).get("n", 1))
+            found += executed_gathers(module, _body(ins), times * trips)
+            continue
+        if ins.opcode in ("all-gather", "all-gather-start"):
+            leaves = list(_leaves(ins.shape))
+            if ins.opcode == "all-gather-start":  # (operands, results)
+                leaves = leaves[len(leaves) // 2:]
+            for leaf in leaves:
+                found[leaf.dtype, leaf.dims] += times
+        for called in ins.called():
+            if called in module.computations and ins.opcode != "all-gather-start":
+                found += executed_gathers(module, called, times)
+    return found
+
+
 def test_the_experiment_table_is_covered():
     assert set(IN_HOST_MEMORY) == set(configs.EXPERIMENTS)
 
@@ -132,6 +192,36 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         assert not found["crossing"]
     fp4 = experiment.run.quant == "nvfp4" and GPUS[experiment.run.device].capability[0] == 10
     assert ('"__cudnn$blockScaledDot"' in hlo) == fp4
+    if fp4:
+        cfg = experiment.model  # each layer matrix as its GEMMs see it, [K, N]
+        D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        matrices = {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "wo": (N * H, D),
+                    "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+        assert_every_gemm_of_a_layer_is_fp4(hlo, matrices, layers=2)
+
+
+def assert_every_gemm_of_a_layer_is_fp4(hlo_text: str, matrices: dict, layers: int):
+    """Transformer Engine's recipe in the compiled program: in the forward layer loop one FP4
+    GEMM per layer matrix; in the backward one Dgrad and one Wgrad per matrix (and the
+    forward's, recomputed where the policy recomputes them). Per step, every layer matrix
+    gathered as FP4 codes (s8: two E2M1 per byte) once a layer in each pass, and no layer
+    matrix gathered in bf16 or f32. `matrices`: name -> its [K, N] as the GEMMs see it."""
+    module = parse_module(hlo_text)
+    loops = layer_loops(module)
+    forward = [gemms for gemms in loops if not gemms["dgrad"]]
+    backward = [gemms for gemms in loops if gemms["dgrad"]]
+    assert forward and backward
+    for gemms in forward:
+        assert gemms == {"fprop": len(matrices)}
+    for gemms in backward:
+        assert gemms["dgrad"] == gemms["wgrad"] == len(matrices) >= gemms["fprop"]
+        assert set(gemms) <= {"fprop", "dgrad", "wgrad"}
+    gathered = executed_gathers(module)
+    codes = sum(n for (dtype, _), n in gathered.items() if dtype == "s8")
+    assert codes == 2 * layers * len(matrices)
+    shapes = {s for k, n in matrices.values() for s in ((k, n), (n, k))}
+    assert not [(dtype, shape) for dtype, shape in gathered
+                if dtype in ("bf16", "f16", "f32") and shape in shapes]
 
 
 def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
@@ -271,8 +361,10 @@ def test_the_no_lhs_rows_compile_without_the_latency_hiding_scheduler():
     """An LHS row and its no-LHS twin (the same step, one flag apart), compiled for the
     study's GPUs: with the scheduler, most collectives are issued asynchronously with kernels
     between start and done, and every host transfer overlaps kernels; without it XLA runs
-    most collectives in place and waits for each host transfer at once. (jaxlib 0.10.2
-    scheduled both alike: its analytical estimator turned LHS on whatever the flag said.)"""
+    most collectives in place. (jaxlib 0.10.2 scheduled both alike: its analytical estimator
+    turned LHS on whatever the flag said.) Host transfers overlap kernels with LHS; without it
+    XLA's default scheduler places them by its own heuristics (with FP4 weights it overlaps
+    them too)."""
     gpu, overlaps = GPUS["gb200"], {}
     for name in ("llama405b-offload", "llama405b-offload-nolhs"):
         built = built_as_a_gpu_run(name, FEWER_LAYERS["llama"])
@@ -281,9 +373,7 @@ def test_the_no_lhs_rows_compile_without_the_latency_hiding_scheduler():
     assert len(lhs.kernels_between("collectives")) >= 2 * lhs.synchronous
     assert none.synchronous >= 5 * len(none.kernels_between("collectives"))
     for stream in ("to host", "from host"):
-        assert len(lhs.kernels_between(stream)) == len(none.kernels_between(stream)) == 3
-        assert min(lhs.kernels_between(stream)) >= 1
-        assert max(none.kernels_between(stream)) == 0
+        assert len(lhs.kernels_between(stream)) >= 3 and min(lhs.kernels_between(stream)) >= 1
 
 
 PIPELINED_ROWS = sorted(name for name, e in configs.EXPERIMENTS.items()
@@ -296,7 +386,8 @@ def test_the_pipelined_rows_fetch_each_host_buffers_first_layer_before_its_loop(
     it is and, the same step, with the flag off: with it XLA peels one write and one read of
     every offloaded buffer out of the layer loops (the first layer's fetch is issued before
     the backward loop starts, each next one from the iteration before); without it every
-    host access is inside a loop."""
+    write is inside the forward loop. (A read may still be outside without it: with FP4
+    weights XLA peels the backward loop's first layer to start its weight gathers early.)"""
     family = "deepseek" if isinstance(configs.get(name).model, DeepSeekConfig) else "llama"
     outside = {}
     for flag in ("true", "false"):
@@ -305,7 +396,7 @@ def test_the_pipelined_rows_fetch_each_host_buffers_first_layer_before_its_loop(
         for access in addressing.accesses(built.compiled.as_text()):
             outside[flag][access.buffer.name, access.write] += not access.loops
     assert outside["true"] and set(outside["true"].values()) == {1}
-    assert outside["false"] and set(outside["false"].values()) == {0}
+    assert outside["false"] and {n for (_, write), n in outside["false"].items() if write} == {0}
 
 
 def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():

@@ -396,15 +396,20 @@ def test_shape_errors():
         quant.nvfp4_einsum("bd,dn->bn", jnp.ones((2, 32)), jnp.ones((32, 8)), 0, path="fp4")
 
 
-@pytest.mark.parametrize("capability, tiles, path", [
-    ((10, 0), "1x16", "scaled"), ((10, 3), "1x16", "scaled"), ((10, 0), "16x16", "dequantize"),
-    ((9, 0), "1x16", "dequantize"), ((12, 0), "1x16", "dequantize"), (None, "1x16", "dequantize")])
-def test_the_fp4_path_only_on_blackwell_with_1x16_blocks(capability, tiles, path):
+@pytest.mark.parametrize("capability, tiles, backward, path", [
+    ((10, 0), "16x16", "fp4", "scaled"), ((10, 3), "16x16", "fp4", "scaled"),
+    ((9, 0), "16x16", "fp4", "dequantize"), (None, "16x16", "fp4", "dequantize"),
+    ((10, 0), "1x16", "bf16", "scaled"), ((10, 3), "1x16", "bf16", "scaled"),
+    ((10, 0), "16x16", "bf16", "dequantize"), ((9, 0), "1x16", "bf16", "dequantize"),
+    ((12, 0), "1x16", "bf16", "dequantize"), (None, "1x16", "bf16", "dequantize")])
+def test_the_fp4_path_only_on_blackwell(capability, tiles, backward, path):
     """The target, not the machine the step is traced on, picks the NVFP4 path: a GB200
-    target compiled on this CPU gets FP4 tensor cores, the CPU itself the accuracy path."""
-    run = configs.RunConfig(quant="nvfp4", quant_tiles=tiles)
+    target compiled on this CPU gets FP4 tensor cores, the CPU itself the accuracy path;
+    JAX's forward-only FP4 product takes 1x16 weight blocks only."""
+    run = configs.RunConfig(quant="nvfp4", quant_tiles=tiles, quant_backward=backward)
     target = trainer_target.Target("gpu" if capability else "cpu", capability)
-    assert trainer_target.quantization(run, target).path == path
+    chosen = trainer_target.quantization(run, target)
+    assert (chosen.path, chosen.two_d, chosen.backward) == (path, tiles == "16x16", backward)
 
 
 # The model: every layer matrix quantized along the axis its einsum contracts, nothing else.
@@ -446,7 +451,7 @@ def test_quantized_llama_is_llama_with_reference_quantized_matrices(two_d):
     params = _init(llama.param_specs(cfg))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab)
     got, _ = llama.forward(params, tokens, cfg, dtype=jnp.float32,
-                           quantization=quant.Quantization("dequantize", two_d))
+                           quantization=quant.Quantization("dequantize", two_d, "bf16"))
     want, _ = llama.forward(_reference_quantized(params, LLAMA_CONTRACTED, two_d), tokens, cfg,
                             dtype=jnp.float32)
     plain, _ = llama.forward(params, tokens, cfg, dtype=jnp.float32)
@@ -467,6 +472,7 @@ def test_quantized_deepseek_keeps_router_and_routed_experts_unquantized():
     params = _init(deepseek.param_specs(cfg))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab)
     forward = partial(deepseek.forward, cfg=cfg, dtype=jnp.float32, expert_path="dense")
-    got, _ = forward(params, tokens, quantization=quant.Quantization())
+    got, _ = forward(params, tokens, quantization=quant.Quantization(two_d=False,
+                                                                      backward="bf16"))
     want, _ = forward(_reference_quantized(params, DEEPSEEK_CONTRACTED, False), tokens)
     np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))

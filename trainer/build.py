@@ -57,9 +57,9 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
         return []
     params = common.abstract_params(families.of(model).param_specs(model))
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
-    two_d = run.quant_tiles == "16x16"
-    forward = partial(families.of(model).forward, cfg=model,
-                      quantization=quant.Quantization("dequantize", two_d))
+    quantization = quant.Quantization("dequantize", run.quant_tiles == "16x16",
+                                      run.quant_backward)
+    forward = partial(families.of(model).forward, cfg=model, quantization=quantization)
     try:
         jax.eval_shape(forward, params, tokens)
     except quant.QuantError as e:
@@ -86,7 +86,7 @@ def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, targ
         update = device_update(optimizer)
     step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
                    update=update, router_bias_rate=run.router_bias_rate,
-                   expert_devices=run.mesh.expert)
+                   expert_devices=run.mesh.expert, seed=run.seed)
     return jax.jit(step, donate_argnums=0)
 
 

@@ -48,12 +48,13 @@ def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=Non
     return total / chunks
 
 
-def loss_fn(params, batch, *, model, policies, rules, dtype, balance_weight=0.0,
+def loss_fn(params, batch, key=None, *, model, policies, rules, dtype, balance_weight=0.0,
             loss_chunks=1, **options):
-    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1. (loss, aux): aux holds the
-    cross-entropy and, for MoE models, the expert loads and the balance term."""
+    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1; `key`: the step's random bits
+    (an FP4 backward's rounding). (loss, aux): aux holds the cross-entropy and, for MoE
+    models, the expert loads and the balance term."""
     x, stats = families.of(model).decode(params, batch[:, :-1], model, policies=policies,
-                                         rules=rules, dtype=dtype, **options)
+                                         rules=rules, dtype=dtype, key=key, **options)
     loss = chunked_cross_entropy(x, params, batch[:, 1:], model.norm_eps, loss_chunks, rules)
     aux = {"cross_entropy": loss, **stats}
     if "balance_loss" in stats:
@@ -79,10 +80,12 @@ def device_update(optimizer):
     return update
 
 
-def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_devices=1):
+def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_devices=1, seed=0):
     """`update`: `device_update` or, for the state in host memory, trainer/host_state.py's;
-    `expert_devices`: the devices of the expert axis, whose experts' drops are reported apart."""
-    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch)
+    `expert_devices`: the devices of the expert axis, whose experts' drops are reported apart.
+    The step's key is a function of (seed, step), so a resumed run draws the same bits."""
+    key = jax.random.fold_in(jax.random.key(seed), state["step"])
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch, key)
     params, opt_state = update(grads, state["opt_state"], state["params"])
     metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
     if "expert_load" in aux:

@@ -125,13 +125,26 @@ def forward_options(model, run: RunConfig, target: Target) -> dict:
 
 
 def quantization(run: RunConfig, target: Target) -> quant.Quantization | None:
-    """NVFP4 products on Blackwell's FP4 tensor cores (JAX's block-scaled dot, 1x16 blocks
-    only), else quantize-dequantize and a GEMM in the compute dtype."""
+    """NVFP4 products on Blackwell's FP4 tensor cores, else codes times scales and a GEMM in
+    the compute dtype. With a bf16 backward (JAX's block-scaled dot: 1x16 weight blocks only)
+    the forward alone is FP4."""
     if run.quant == "none":
         return None
-    two_d = run.quant_tiles == "16x16"
-    return quant.Quantization("scaled" if target.blackwell and not two_d else "dequantize",
-                              two_d)
+    two_d, backward = run.quant_tiles == "16x16", run.quant_backward
+    scaled = target.blackwell and (backward == "fp4" or not two_d)
+    return quant.Quantization("scaled" if scaled else "dequantize", two_d, backward)
+
+
+def quantization_words(q: quant.Quantization | None) -> str:
+    """What a step does with its layer matrices, for its header and plan."""
+    if q is None:
+        return "weights unquantized"
+    gemms = "every GEMM" if q.backward == "fp4" else "the forward GEMMs (backward in bf16)"
+    if q.path == "scaled":
+        return f"NVFP4: {gemms} of the layer matrices on FP4 tensor cores"
+    tiles = "16x16 tiles" if q.two_d else "1x16 blocks"
+    return (f"NVFP4 values ({tiles}) for {gemms} of the layer matrices, multiplied in the "
+            "compute dtype: the same numbers, no FP4 speed-up")
 
 
 # Compile-only devices: XLA's CUB radix-sort rewriter asks the CUDA runtime for a device, and

@@ -1,0 +1,182 @@
+"""Every GEMM of a layer matrix in NVFP4: Transformer Engine's training recipe
+(`NVFP4BlockScaling`), on model/quant.py's encoding. Rules and sources: docs/model.md.
+
+Fprop, Dgrad and Wgrad of a linear layer all take FP4 operands: activations in 1x16 blocks,
+the weight in 16x16 tiles (so its transpose is the same values), gradients rounded
+stochastically, the weight gradient's operands first rotated by a 16-point random Hadamard
+transform along the tokens.
+"""
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.quant import BLOCK, NVFP4Tensor, QuantError, quantize, split_blocks
+
+
+# Transformer Engine's sign vector for the weight gradient's Hadamard transform: fixed, the
+# same for every layer and step (TE `get_wgrad_sign_vector`, docs/model.md).
+HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def hadamard_matrix(signs=HADAMARD_SIGNS) -> np.ndarray:
+    """The 16-point random Hadamard transform, H16 diag(signs) / 4 (Sylvester's H16):
+    orthogonal, so H^T H = I and two operands rotated by it keep their product."""
+    h = np.ones((1, 1))
+    while h.shape[0] < BLOCK:
+        h = np.block([[h, h], [h, -h]])
+    return (h * np.asarray(signs, np.float64)[None, :] / 4).astype(np.float32)
+
+
+def hadamard(x: jax.Array, axis: int) -> jax.Array:
+    """x rotated by `hadamard_matrix` along `axis`, 16 elements at a time: a GEMM with a
+    contraction of 16, accumulated in f32, in x's dtype (what the quantization then reads:
+    XLA keeps no f32 copy of it)."""
+    rotated = jnp.einsum("...s,hs->...h", jnp.moveaxis(split_blocks(x, axis), axis + 1, -1),
+                         jnp.asarray(hadamard_matrix(), x.dtype),
+                         preferred_element_type=jnp.float32,
+                         precision=jax.lax.Precision.HIGHEST)
+    return jnp.moveaxis(rotated.astype(x.dtype), -1, axis + 1).reshape(x.shape)
+
+
+def transposed(q: NVFP4Tensor) -> NVFP4Tensor:
+    """A 2-D quantized matrix as its transpose: the same codes and scales, transposed."""
+    return dataclasses.replace(q, codes=q.codes.T, block_scales=q.block_scales.T,
+                               axis=1 - q.axis)
+
+
+def tiles(q: NVFP4Tensor) -> jax.Array:
+    """The scales of a 2-D matrix of 16x16 tiles, one per tile: [R/16, C/16]."""
+    return jnp.take(q.block_scales, np.arange(0, q.codes.shape[1 - q.axis], BLOCK),
+                    axis=1 - q.axis)
+
+
+def tiled(codes: jax.Array, tile_scales: jax.Array, tensor_scale: jax.Array,
+          axis: int) -> NVFP4Tensor:
+    """A 2-D matrix of 16x16 tiles (codes [R, C], scales [R/16, C/16]) with its blocks along
+    `axis`: each tile's scale serves both ways, so the same codes multiply as the matrix or,
+    transposed, as its transpose (TE's point of 2-D weight scaling)."""
+    return NVFP4Tensor(codes, jnp.repeat(tile_scales, BLOCK, axis=1 - axis), tensor_scale,
+                       axis, True)
+
+
+def block_scaled_matmul(a: NVFP4Tensor, b: NVFP4Tensor, path: str, dtype) -> jax.Array:
+    """a [R, K] times b [C, K] transposed -> [R, C] in `dtype`, both 16-blocks along K.
+    "scaled": Blackwell's block-scaled GEMM (cuDNN) on codes and block scales; "dequantize":
+    codes times block scales in `dtype` (exact: an E2M1 code times an E4M3 scale has at most
+    6 significant bits), then an ordinary GEMM: the same numbers, on any backend. Both
+    accumulate in f32 and round to `dtype` (the GEMM's output stays [R, C] in the compute
+    dtype, never f32), then the tensor scales multiply, in f32 (XLA fuses that into the
+    consumer)."""
+    if a.axis != 1 or b.axis != 1:
+        raise ValueError("block_scaled_matmul takes operands blocked along their last axis")
+    if path == "scaled":
+        out = jax.nn.scaled_matmul(a.codes[None], b.codes[None], a.block_scales[None],
+                                   b.block_scales[None], preferred_element_type=dtype)[0]
+    elif path == "dequantize":
+        def values(q):
+            return (split_blocks(q.codes.astype(dtype), 1) * q.block_scales.astype(dtype)[..., None]
+                    ).reshape(q.codes.shape)
+        out = jax.lax.dot_general(values(a), values(b), (((1,), (1,)), ((), ())),
+                                  preferred_element_type=dtype)
+    else:
+        raise ValueError(f"unknown NVFP4 GEMM path {path!r}: 'scaled' or 'dequantize'")
+    return (out * (a.tensor_scale * b.tensor_scale)).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fp4_matmul(x: jax.Array, w: jax.Array, key: jax.Array, path: str, gathered=None):
+    """x [M, K] times w [K, N] -> [M, N] in x's dtype, every GEMM in NVFP4 (Transformer
+    Engine's recipe, docs/model.md):
+      Fprop  x (1x16 blocks along K) times w (16x16 tiles), both rounded to nearest;
+      Dgrad  dy (1x16 along N, stochastic rounding) times the same quantized w, transposed;
+      Wgrad  x^T times dy, both rotated by the Hadamard transform along the tokens M and
+             quantized 1x16 along them, dy stochastically.
+    Gradients pass the quantization straight through; `key` draws the rounding bits. With
+    `gathered` (a sharding), w is quantized where it lies and its codes and tile scales are
+    gathered to it once, for the forward and the backward: no copy of w in the compute
+    dtype, and none quantized twice."""
+    return _fp4_forward(x, w, key, path, gathered)[0]
+
+
+def _fp4_forward(x, w, key, path, gathered):
+    if x.shape[0] % BLOCK:
+        raise QuantError(f"an FP4 backward needs the tokens ({x.shape[0]}) in blocks of "
+                         f"{BLOCK}: batch x seq a multiple of {BLOCK}")
+    with jax.named_scope("fp4_fprop"):
+        weight = quantize(w, 0, two_d=True, codes_dtype=_codes_dtype(path, x.dtype))
+        codes, scales = weight.codes, tiles(weight)
+        if gathered is not None:
+            codes, scales = jax.lax.with_sharding_constraint((codes, scales), gathered)
+        w_rows = tiled(codes.T, scales.T, weight.tensor_scale, axis=1)  # [N, K]
+        x_rows = quantize(x, 1, codes_dtype=_codes_dtype(path, x.dtype))
+        out = block_scaled_matmul(x_rows, w_rows, path, x.dtype)
+    return out, (x, codes, scales, weight.tensor_scale, key)
+
+
+def random_bits(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """uint32 bits for stochastic rounding, a keyed hash of each element's index (two rounds
+    of the "lowbias32" integer mixer): a few integer operations per element, which XLA fuses
+    into the quantization that reads them, where threefry takes ~100 and its own kernel."""
+    seed = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)
+
+    def mix(v):
+        v = (v ^ (v >> 16)) * jnp.uint32(0x7FEB352D)
+        v = (v ^ (v >> 15)) * jnp.uint32(0x846CA68B)
+        return v ^ (v >> 16)
+
+    index = (jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(shape[1])
+             + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
+    return mix(mix(index ^ seed[0]) + seed[-1])
+
+
+def _codes_dtype(path: str, dtype):
+    """E2M1 for the block-scaled GEMM; the same values in the compute dtype to dequantize."""
+    return jnp.float4_e2m1fn if path == "scaled" else dtype
+
+
+def rounding_bits(key: jax.Array, dy_shape: tuple[int, int]):
+    """The stochastic rounding's random bits of one backward, each dy's shape: for dy
+    quantized along its rows (Dgrad), and along its tokens after the Hadamard transform
+    (Wgrad)."""
+    return (random_bits(jax.random.fold_in(key, 0), dy_shape),
+            random_bits(jax.random.fold_in(key, 1), dy_shape))
+
+
+def _fp4_backward(path, gathered, residuals, dy):
+    x, codes, scales, tensor_scale, key = residuals
+    dgrad_bits, wgrad_bits = rounding_bits(key, dy.shape)
+    encode = partial(quantize, axis=1, codes_dtype=_codes_dtype(path, x.dtype))
+    with jax.named_scope("fp4_dgrad"):
+        dx = block_scaled_matmul(encode(dy, bits=dgrad_bits),
+                                 tiled(codes, scales, tensor_scale, axis=1), path, x.dtype)
+    with jax.named_scope("fp4_wgrad"):
+        # Quantized along the tokens as they lie, then the codes transposed: no bf16 copy.
+        x_cols = transposed(encode(hadamard(x, 0), axis=0))
+        dy_cols = transposed(encode(hadamard(dy, 0), axis=0, bits=wgrad_bits))
+        dw = block_scaled_matmul(x_cols, dy_cols, path, x.dtype)
+    return dx, dw, None
+
+
+fp4_matmul.defvjp(_fp4_forward, _fp4_backward)
+
+
+def fp4_einsum(subscripts: str, x: jax.Array, w: jax.Array, key: jax.Array, path: str,
+               gathered=None) -> jax.Array:
+    """A layer matrix's einsum through `fp4_matmul`: x's leading letters are tokens, its
+    trailing ones the contraction, which leads w ("btd,dnh->btnh", "btnh,nhd->btd")."""
+    inputs, out = subscripts.replace(" ", "").split("->")
+    xs, ws = inputs.split(",")
+    contract = "".join(c for c in xs if c in ws)
+    tokens, free = xs[:len(xs) - len(contract)], ws[len(contract):]
+    if (xs, ws, out) != (tokens + contract, contract + free, tokens + free):
+        raise ValueError(f"{subscripts!r}: an FP4 layer matrix takes x's trailing letters "
+                         "as w's leading ones, the output x's tokens then w's rest")
+    k = math.prod(w.shape[:len(contract)])
+    # w in x's dtype (the compute dtype): its gradient comes back in it.
+    y = fp4_matmul(x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype), key, path, gathered)
+    return y.reshape(x.shape[:len(tokens)] + w.shape[len(contract):])
