@@ -52,11 +52,11 @@ test: lint $(COMPILE_READY)
 	$(PY) -m pytest -n 2 --dist worksteal
 
 bench: $(READY)
-	$(PY) benchmarks/bench.py $(ARGS)
-	$(PY) benchmarks/checkpoint_bench.py
+	$(PY) -m study bench $(ARGS)
+	$(PY) -m study checkpoint-bench
 
 step-times: $(COMPILE_READY)
-	$(PY) benchmarks/step_times.py $(ARGS)
+	$(PY) -m study step-times $(ARGS)
 
 llama%: $(READY)
 	$(PY) train.py $@ $(ARGS)
@@ -64,14 +64,15 @@ llama%: $(READY)
 deepseek%: $(READY)
 	$(PY) train.py $@ $(ARGS)
 
+# The study tools (study/): the trainer's step examined at full scale, without running it.
 plan-%: $(READY)
-	$(PY) train.py $* --plan $(ARGS)
+	$(PY) -m study plan $* $(ARGS)
 
 search-%: $(READY)
-	$(PY) train.py $* --search $(ARGS)
+	$(PY) -m study search $* $(ARGS)
 
 compile-%: $(COMPILE_READY)
-	$(PY) train.py $* --compile $(ARGS)
+	$(PY) -m study compile $* $(ARGS)
 
 clean:
 	rm -rf runs

@@ -12,7 +12,6 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from configs.gpus import GPUS
 from model.config import DeepSeekConfig, LlamaConfig
 
 ModelConfig = LlamaConfig | DeepSeekConfig
@@ -22,6 +21,9 @@ SCALES = ("auto", "full", "proxy")
 QUANTS = ("none", "nvfp4")
 QUANT_TILES = ("16x16", "1x16")
 QUANT_BACKWARDS = ("fp4", "bf16")
+# The GPUs an experiment can be planned and compiled for (device=...); their figures and XLA
+# target specs are the study tools' (study/gpus.py, a test keeps the two lists one).
+DEVICES = ("gb200", "b200", "h200", "h100")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +84,12 @@ class RunConfig:
     compute_dtype: str = "bfloat16"  # activations and matmuls; weights are cast per layer
     param_dtype: str = "float32"  # master weights and optimizer state
     # Where the AdamW moments live between steps: device, or host (pinned host memory,
-    # streamed through the device a layer at a time for the update: trainer/host_state.py).
+    # streamed through the device a layer at a time for the update: offload/optimizer_state.py).
     optimizer_state: str = "device"
     mesh: MeshConfig = MeshConfig()
-    policy: str = "remat"  # a preset of offload.policies, or "none" (no checkpointing)
-    placements: Mapping[str, str] = dataclasses.field(default_factory=dict)  # policy.<tag>=...
+    preset: str = "remat"  # a named placement (offload/activations.py), none: no checkpointing
+    # placement.<tag>=device|offload|remat (or .<scan>.<tag>), over the preset
+    placement: Mapping[str, str] = dataclasses.field(default_factory=dict)
     xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
     quant: str = "none"  # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
     quant_tiles: str = "16x16"  # weight block scales per 16x16 tile (TE's recipe) or 1x16 block
@@ -105,7 +108,7 @@ class RunConfig:
     keep: int = 3
     resume: str = ""
     profile: bool = False
-    device: str = "gb200"  # the GPU full scale is planned and compiled for (configs/gpus.py)
+    device: str = "gb200"  # the GPU the study tools plan and compile full scale for
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
@@ -141,7 +144,7 @@ class Experiment:
 EXPERIMENTS: dict[str, Experiment] = {}
 COMPARISONS: dict[str, tuple[str, ...]] = {}  # name -> experiments run one after another
 # The study's measured TFLOP/s/device per row (docs/study.md, 128 GB200s): what each row's
-# replayed step is compared with (`--compile`, benchmarks/step_times.py).
+# replayed step is compared with (python -m study compile, step-times).
 STUDY_TFLOPS: dict[str, float] = {}
 
 
@@ -215,14 +218,14 @@ def _set(obj, path: list[str], text: str, full_key: str):
 
 
 def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, str]):
-    """`model.<field>=...` sets the architecture, `policy.<tag>=...` one placement, and any
+    """`model.<field>=...` sets the architecture, `placement.<tag>=...` one tag's, and any
     other dotted key a run field. Every value is typed by the field it sets."""
     for key, text in overrides.items():
         path = key.split(".")
         if path[0] == "model" and len(path) > 1:
             model = _set(model, path[1:], text, key)
-        elif path[0] == "policy" and len(path) in (2, 3):  # policy.<tag>, policy.<scan>.<tag>
-            run = _set(run, ["placements", ".".join(path[1:])], text, key)
+        elif path[0] == "placement" and len(path) in (2, 3):  # .<tag>, .<scan>.<tag>
+            run = _set(run, ["placement", ".".join(path[1:])], text, key)
         else:
             run = _set(run, path, text, key)
     return model, run
@@ -304,7 +307,7 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found += out_of_range(model, run, found + experts)
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
                "quant": QUANTS, "quant_tiles": QUANT_TILES, "quant_backward": QUANT_BACKWARDS,
-               "device": tuple(GPUS),
+               "device": DEVICES,
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
                "optimizer_state": ("device", "host")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"

@@ -27,11 +27,10 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
 # The mesh and the expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs
 # (docs/study.md): FSDP 16 x expert parallelism 8, each expert group's 8 GPUs two NVL72 trays
 # inside one NVLink domain; capacity factor 1.0 (blocks of the balanced share, the surplus
-# dropped and counted in the log). The loss in 8 chunks: [8, 4096, 129280] fp32 logits and
-# their gradient would be 31.6 GiB at once.
+# dropped and counted in the log). The loss in 8 chunks (docs/model.md: why).
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10,
                      mesh=MeshConfig(data=1, fsdp=16, expert=8), compute_dtype="bfloat16",
-                     policy="dsv3_offload", expert_capacity=1.0, loss_chunks=8,
+                     preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8,
                      checkpoint_every=0)
 
 
@@ -42,15 +41,15 @@ def _deepseek(name: str, summary: str, **run_changes) -> Experiment:
 
 register(
     _deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",
-              policy="remat", xla_flags={LHS: "true"}),
+              preset="remat", xla_flags={LHS: "true"}),
     _deepseek("deepseek671b-offload-nolhs", "row 2: offload, no LHS, no pipelining, mb 8",
               xla_flags={LHS: "false"}),
     _deepseek("deepseek671b-offload", "rows 3/5: offload + LHS + pipelined transfers, mb 8, "
               "global 1024", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
     _deepseek("deepseek671b-device", "row 4: the same activations saved on device, mb 2, "
-              "global 256", policy="dsv3_device", per_device_batch=2, xla_flags={LHS: "true"}),
+              "global 256", preset="dsv3_device", per_device_batch=2, xla_flags={LHS: "true"}),
     _deepseek("deepseek671b-device-mb8", "row 4's note: saved on device at mb 8 (the study "
-              "ran out of memory)", policy="dsv3_device", xla_flags={LHS: "true"}),
+              "ran out of memory)", preset="dsv3_device", xla_flags={LHS: "true"}),
 )
 
 COMPARISONS["deepseek671b-compare"] = ("deepseek671b-remat", "deepseek671b-offload-nolhs",

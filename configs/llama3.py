@@ -29,9 +29,8 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
 
 # The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16
 # activations, NVFP4 as Transformer Engine's recipe (every layer matrix's three GEMMs in FP4,
-# 16x16 weight tiles: the RunConfig defaults of quant=nvfp4). The loss in 8 chunks (the logits
-# and their gradient would be 15.6 GiB at once). No checkpoints of these 10-step rows
-# (checkpoint_every=N turns them on).
+# 16x16 weight tiles: the RunConfig defaults of quant=nvfp4). The loss in 8 chunks
+# (docs/model.md). No checkpoints of these 10-step rows (checkpoint_every=N turns them on).
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
                        compute_dtype="bfloat16", quant="nvfp4", loss_chunks=8,
                        checkpoint_every=0)
@@ -44,43 +43,41 @@ def _llama405b(name: str, summary: str, **run_changes) -> Experiment:
 
 register(
     _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
-               policy="remat", xla_flags={LHS: "true"}),
+               preset="remat", xla_flags={LHS: "true"}),
     _llama405b("llama405b-offload", "row 2: Q/K/V offloaded to host; LHS on (the study's best)",
-               policy="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
+               preset="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
     _llama405b("llama405b-offload-nolhs", "row 3: Q/K/V offloaded; latency hiding scheduler off",
-               policy="qkv_offload", xla_flags={LHS: "false"}),
+               preset="qkv_offload", xla_flags={LHS: "false"}),
     _llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
-               policy="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
+               preset="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
     # Not a study row: a placement the search's fast model once ranked first on 128 GB200s
     # (make search-llama405b-offload; docs/search.md), registered as a prediction the replay
-    # overturned, to check on GPUs. Its host bytes (208.7 GiB per GPU) need
-    # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=230 (scripts/slurm sets it).
+    # overturned, to check on GPUs. Its host bytes need a larger pinned-host pool
+    # (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: scripts/slurm sets it; docs/search.md).
     _llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "
                "Q and out_proj kept (the fast model's first, once)", per_device_batch=1,
-               placements={"layers.query_proj": "device", "layers.out_proj": "device",
+               placement={"layers.query_proj": "device", "layers.out_proj": "device",
                            "layers.key_proj": "offload", "layers.value_proj": "offload",
                            "layers.mlpwi_0": "offload", "layers.mlpwi_1": "offload"},
                xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
     Experiment("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)",
                LLAMA31_8B, PROXY_8B, dataclasses.replace(
-                   STUDY_405B, mesh=MeshConfig(fsdp=8), policy="qkv_offload", quant="none",
+                   STUDY_405B, mesh=MeshConfig(fsdp=8), preset="qkv_offload", quant="none",
                    xla_flags={LHS: "true"}), PROXY_RUN),
     Experiment("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64",
                LLAMA31_70B, PROXY_70B, dataclasses.replace(
-                   STUDY_405B, mesh=MeshConfig(fsdp=64), policy="qkv_offload", quant="none",
+                   STUDY_405B, mesh=MeshConfig(fsdp=64), preset="qkv_offload", quant="none",
                    xla_flags={LHS: "true"}), PROXY_RUN),
     # Not a study row: 70B on one 8-GPU host (scripts/slurm/h100-8gpu.sbatch). Its FP32
-    # weights, gradients and AdamW moments alone (32.9 + 32.9 + 65.7 GiB per GPU) leave 2.5
-    # GiB of an H200's pool for the activations, so the moments live in host memory
-    # (trainer/host_state.py, docs/optimizer_state.md); the activations as
-    # `make search-llama70b-8xh200` placed them (its 2nd, as fast by its model as the 1st,
-    # whose compiled program keeps only 5% of the pool free; this one 7%).
+    # weights, gradients and AdamW moments alone nearly fill an H200, so the moments live in
+    # host memory (offload/optimizer_state.py); the activations as
+    # `make search-llama70b-8xh200` placed them (docs/optimizer_state.md has the figures).
     Experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW "
                "moments in host memory, activations placed by the search", LLAMA31_70B,
                PROXY_70B, dataclasses.replace(
                    STUDY_405B, device="h200", mesh=MeshConfig(fsdp=8), per_device_batch=1,
-                   quant="none", policy="remat", optimizer_state="host",
-                   placements={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
+                   quant="none", preset="remat", optimizer_state="host",
+                   placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
                                "layers.key_proj": "offload", "layers.value_proj": "offload",
                                "layers.attention_out": "offload",
                                "layers.mlpwi_1": "offload"},

@@ -6,8 +6,7 @@ from hf.safetensors import CheckpointError
 
 
 def _rope(hf: dict) -> tuple[float, dict]:
-    """(theta, scaling dict). transformers 5 writes `rope_parameters`; older configs and the
-    released checkpoints `rope_theta` + `rope_scaling`."""
+    """(theta, scaling dict), from either layout."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))), rope
 
@@ -45,15 +44,12 @@ def _yarn(hf: dict, rope: dict) -> YarnScaling | None:
         raise CheckpointError(f"rope_type {_rope_type(rope)!r} is not supported for DeepSeek")
     original = int(rope["original_max_position_embeddings"])
     factor = rope.get("factor") or hf["max_position_embeddings"] / original
-
-    def optional(key):
-        return None if rope.get(key) is None else float(rope[key])
-
+    mscales = {key: None if rope.get(key) is None else float(rope[key])
+               for key in ("mscale", "mscale_all_dim")}
     return YarnScaling(factor=float(factor), original_max_position=original,
                        beta_fast=float(rope.get("beta_fast") or 32),
                        beta_slow=float(rope.get("beta_slow") or 1),
-                       mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"),
-                       truncate=bool(rope.get("truncate", True)))
+                       truncate=bool(rope.get("truncate", True)), **mscales)
 
 
 def _deepseek(hf: dict) -> DeepSeekConfig:
@@ -89,23 +85,21 @@ def from_hf(hf: dict):
 
 
 def _rope_parameters(cfg) -> dict:
-    scaling = cfg.rope_scaling
-    if scaling is None:
+    s = cfg.rope_scaling
+    if s is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if isinstance(cfg, LlamaConfig):
-        return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
-                "low_freq_factor": scaling.low_freq_factor,
-                "high_freq_factor": scaling.high_freq_factor,
-                "original_max_position_embeddings": scaling.original_max_position}
-    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
-            "original_max_position_embeddings": scaling.original_max_position,
-            "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow,
-            "mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim,
-            "truncate": scaling.truncate}
+        return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position,
+            "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "mscale": s.mscale,
+            "mscale_all_dim": s.mscale_all_dim, "truncate": s.truncate}
 
 
 def to_hf(cfg, dtype: str = "float32") -> dict:
-    """config.json for `cfg`, as transformers 5 writes it (rope settings in rope_parameters)."""
+    """config.json for `cfg`, as transformers 5 writes it."""
     common = {"vocab_size": cfg.vocab, "hidden_size": cfg.d_model,
               "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
               "intermediate_size": cfg.d_ff, "max_position_embeddings": cfg.max_position,

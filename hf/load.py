@@ -1,9 +1,8 @@
 """Hugging Face checkpoints (Llama, DeepSeek-V3) -> (model config, params).
 
-HF linear weights are stored [out, in]; ours are [in, out], with heads split out. Where each
-of our parameters lies in the HF tensors comes from its family's `hf_tensors` (one table per
-family, which hf/save.py reads too); here each becomes a `Source`, read whole (one process) or
-only in the slices this process's devices hold (multi-host).
+HF linear weights are stored [out, in]; ours are [in, out], with heads split out. Each of our
+parameters is a `Source` built from its family's `hf_tensors` table (hf/save.py reads it too),
+read whole (one process) or only in the slices this process's devices hold (multi-host).
 """
 
 import dataclasses
@@ -22,13 +21,12 @@ from model.common import HfTensor, ParamSpec
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One of our parameters as Hugging Face tensors, read a slice at a time.
-
-    `names` holds the HF tensor of each stacked entry (layers, then experts): its shape leads
-    `shape`. `n_in` None: a tensor is ours as stored. Else it is [*batch, out, in] (`batch`
-    leading axes: a fused expert axis), HF's linear layout, and becomes ours transposed,
-    [*batch, *ins, *outs]: its in axis split into our next `n_in` axes, its out axis (from
-    row `first_row`: the up half of a fused gate and up) into the rest (heads split out)."""
+    """One of our parameters as Hugging Face tensors, read a slice at a time. `names` holds the
+    HF tensor of each stacked entry (layers, then experts): its shape leads `shape`. `n_in` None:
+    a tensor is ours as stored. Else it is [*batch, out, in] (`batch` leading axes: a fused
+    expert axis), HF's linear layout, and becomes ours transposed, [*batch, *ins, *outs]: its in
+    axis split into our next `n_in` axes, its out axis (from row `first_row`: the up half of a
+    fused gate and up) into the rest (heads split out)."""
     names: np.ndarray
     shape: tuple[int, ...]
     n_in: int | None = None
@@ -65,18 +63,11 @@ def _covering(index: tuple[slice, ...], dims: tuple[int, ...]) -> slice:
     return slice(index[0].start * inner, index[0].stop * inner)
 
 
-def _stacked(spec: ParamSpec) -> tuple[int, ...]:
-    """The sizes of a parameter's stacked axes: its layers, then its experts."""
-    n = next(i for i, axis in enumerate((*spec.axes, None)) if axis not in ("layers", "experts"))
-    return spec.shape[:n]
-
-
 def _source(reader: Reader, spec: ParamSpec, hf: HfTensor) -> Source:
     """Where `spec` lies in the checkpoint, by its family's table; shapes checked."""
-    stacked = _stacked(spec)
     fused = hf.fused and hf.fused[0].format(layer=hf.first_layer) in reader
-    if fused:  # one tensor per layer, the experts inside it
-        stacked = stacked[:1]
+    n = next(i for i, axis in enumerate((*spec.axes, None)) if axis not in ("layers", "experts"))
+    stacked = spec.shape[:1 if fused else n]  # layers, experts (fused: in each layer's tensor)
     names = np.empty(stacked, object)
     for index in itertools.product(*map(range, stacked)):
         layer, expert = (*index, 0, 0)[:2]
@@ -87,9 +78,7 @@ def _source(reader: Reader, spec: ParamSpec, hf: HfTensor) -> Source:
         if name not in reader:
             raise CheckpointError(f"checkpoint lacks tensor {name!r}")
         names[index] = name
-    ours = spec.shape[len(stacked):]
-    batch = int(bool(fused))
-    blocks = hf.fused[2] if fused else 1
+    ours, batch, blocks = spec.shape[len(stacked):], int(bool(fused)), hf.fused[2] if fused else 1
     ins, outs = ours[batch:batch + hf.n_in], ours[batch + hf.n_in:]
     expected = (*ours[:batch], blocks * math.prod(outs), math.prod(ins)) if hf.linear else ours
     for name in set(names.flat):
@@ -141,8 +130,8 @@ class Checkpoint:
 
 
 def open_checkpoint(directory: str | Path):
-    """(config, Checkpoint) from a Hugging Face checkpoint directory: config.json and the
-    tensors' names and shapes (checked against it) are read; no weights yet."""
+    """(config, Checkpoint) of a Hugging Face checkpoint directory; no weights read yet, only
+    config.json and the tensors' names and shapes (checked against it)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")

@@ -1,10 +1,7 @@
-"""Read a safetensors checkpoint directory (one file or a sharded index) a slice at a time.
-
-safetensors reads a slice of a tensor without loading its file, so each process of a
-multi-host run reads about its own share of a model (a 405B or 671B import would not fit one
-host's memory whole). Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn with a
-`weight_scale_inv` per 128x128 block) are dequantized on read, so converters only ever see
-float arrays.
+"""Read a safetensors checkpoint directory (one file or a sharded index) a slice at a time, so
+each process of a multi-host run reads about its own share (a 405B or 671B import would not fit
+one host's memory whole). Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn, a
+`weight_scale_inv` per 128x128 block) are dequantized on read: converters see float arrays only.
 """
 
 import json
@@ -75,10 +72,9 @@ class Reader:
                 info = handle.get_slice(name)
                 self.files[name] = (file, handle)
                 self.shapes[name] = tuple(info.get_shape())
-                self.dtypes[name] = info.get_dtype()
-                if self.dtypes[name].startswith("F8") and self.dtypes[name] != "F8_E4M3":
-                    raise CheckpointError(f"{file}: {name} has dtype {self.dtypes[name]}, "
-                                          "not readable")
+                dtype = self.dtypes[name] = info.get_dtype()
+                if dtype.startswith("F8") and dtype != "F8_E4M3":
+                    raise CheckpointError(f"{file}: {name} has dtype {dtype}, not readable")
         for name in [n for n in self.files if n.endswith(SCALE_SUFFIX)]:
             if name.removesuffix(SCALE_SUFFIX) not in self.files:
                 raise CheckpointError(f"{name} scales a tensor the checkpoint does not have")
@@ -89,8 +85,7 @@ class Reader:
         return name in self.files and not name.endswith(SCALE_SUFFIX)
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
-        """tensor[index] as float32; `index` is one slice per axis (unit steps), or () for
-        the whole tensor."""
+        """tensor[index] as float32; `index`: one unit-step slice per axis, or () for all."""
         shape = self.shapes[name]
         index = tuple(slice(*s.indices(n)[:2])
                       for s, n in zip(index or [slice(None)] * len(shape), shape))
@@ -98,11 +93,10 @@ class Reader:
         self.bytes_read += raw.nbytes
         if name + SCALE_SUFFIX not in self.files:
             return np.asarray(raw, np.float32)
-        rows, cols = index
         blocks = tuple(slice(s.start // FP8_BLOCK, -(-s.stop // FP8_BLOCK)) for s in index)
         scale = self._raw(name + SCALE_SUFFIX, blocks)
         self.bytes_read += scale.nbytes
-        return dequantize_fp8(raw, scale, (rows.start, cols.start))
+        return dequantize_fp8(raw, scale, (index[0].start, index[1].start))
 
     def _raw(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         file, handle = self.files[name]

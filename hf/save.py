@@ -1,9 +1,8 @@
 """Our params -> a Hugging Face checkpoint (config.json + safetensors): hf/load.py reversed.
 
-Linear weights go back to HF's [out, in] with the head axes merged; routed experts are written
-one tensor per expert (`experts.{e}.gate_proj.weight`), the layout of the released DeepSeek-V3
-checkpoint, which transformers converts on load. Big models are split into files of at most
-`shard_bytes`, with the index transformers reads.
+Routed experts are written one tensor per expert (`experts.{e}.gate_proj.weight`), the layout
+of the released DeepSeek-V3 checkpoint, which transformers converts on load. Big models are
+split into files of at most `shard_bytes`, with the index transformers reads.
 """
 
 import json
@@ -28,30 +27,25 @@ def _linear(weight: np.ndarray, n_in: int) -> np.ndarray:
 
 
 def _entries(value: np.ndarray, spec: ParamSpec, hf: HfTensor, layer: int | None):
-    """(HF name, array) of one parameter, of one layer of it when stacked; routed experts
-    one tensor per expert."""
+    """(HF name, array) of one parameter, of one layer of it when stacked."""
     if layer is None:
         yield hf.name, (_linear(value, hf.n_in) if hf.linear else value)
         return
-    value = value[layer]
-    experts = range(value.shape[0]) if spec.axes[1] == "experts" else [None]
-    for e in experts:
-        array = value if e is None else value[e]
+    for e in range(value.shape[1]) if spec.axes[1] == "experts" else [None]:
+        array = value[layer] if e is None else value[layer, e]
         name = hf.name.format(layer=layer + hf.first_layer, expert=e)
         yield name, (_linear(array, hf.n_in) if hf.linear else array)
 
 
 def hf_tensors(params: dict, cfg) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array in HF's layout) for every weight, layer by layer, from the family's
-    `hf_tensors` table (the one hf/load.py reads by)."""
+    """(HF name, array in HF's layout) for every weight, layer by layer, by the family's table."""
     family = families.of(cfg)
     specs, names = family.param_specs(cfg), family.hf_tensors(cfg)
     for key, spec in specs.items():
         if isinstance(spec, ParamSpec):
             yield from _entries(np.asarray(params[key]), spec, names[key], None)
             continue
-        layers = next(iter(spec.values())).shape[0]
-        for layer in range(layers):
+        for layer in range(next(iter(spec.values())).shape[0]):
             for name, one in spec.items():
                 yield from _entries(np.asarray(params[key][name]), one, names[key][name], layer)
 

@@ -259,27 +259,17 @@ def layer_weights(w: dict, dtype, quantization: quant.Quantization | None, unqua
 
 def layer_keys(key: jax.Array | None, quantization: quant.Quantization | None, layers: int):
     """One key per layer of a scan for an FP4 backward's stochastic rounding (None without
-    one); a forward given no key (evaluation, tracing) uses key 0."""
-    if quantization is None or quantization.backward != "fp4":
+    NVFP4); a forward given no key (evaluation, tracing) uses key 0."""
+    if quantization is None:
         return None
     return jax.random.split(jax.random.key(0) if key is None else key, layers)
 
 
 def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
-    """x times a weight, as `jnp.einsum`. A weight marked NVFP4 goes through
-    `fp4.fp4_einsum` (every GEMM in FP4) or, with a bf16 backward, `quant.nvfp4_einsum`,
-    quantized in 16-blocks along its last contracted axis (for "btnh,nhd->btd", h: blocks
-    stay within a head)."""
+    """x times a weight, as `jnp.einsum`; a weight marked NVFP4 goes through `fp4.einsum`."""
     if not isinstance(w, quant.NVFP4Weight):
         return jnp.einsum(subscripts, x, w)
-    if w.quantization.backward == "fp4":
-        return fp4.fp4_einsum(subscripts, x, w.value, w.key, w.quantization.path,
-                                w.gathered)
-    inputs, out = subscripts.split("->")
-    letters = inputs.split(",")[1]
-    axis = max(i for i, letter in enumerate(letters) if letter not in out)
-    return quant.nvfp4_einsum(subscripts, x, w.value, axis, w.quantization.two_d,
-                              w.quantization.path)
+    return fp4.einsum(subscripts, x, w.value, w.key, w.quantization, w.gathered)
 
 
 def scan_layers(layer, x, stacked, policy, name: str):

@@ -254,11 +254,12 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
     return rope_tables(seq_len, freqs, dtype, yarn_attention_factor(yarn))
 
 
-def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
-           dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
-           expert_parallel: ExpertParallel | None = None,
-           quantization: Quantization | None = None, key: jax.Array | None = None):
-    """tokens [B, T] -> (the last layer's output [B, T, D], before the final norm; per MoE
+def trunk(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
+          dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
+          expert_parallel: ExpertParallel | None = None,
+          quantization: Quantization | None = None, key: jax.Array | None = None):
+    """The decoder trunk (embedding, then the layers): tokens [B, T] -> (the last layer's
+    output [B, T, D], before the final norm; per MoE
     layer {"expert_load": tokens per expert [L_moe, E], "balance_loss": [L_moe],
     "expert_dropped": [L_moe, E]}).
 
@@ -295,9 +296,9 @@ def decode(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
 
 
 def forward(params, tokens, cfg: DeepSeekConfig, **options):
-    """tokens [B, T] -> (logits [B, T, V] fp32, the MoE statistics): `decode` (whose options
+    """tokens [B, T] -> (logits [B, T, V] fp32, the MoE statistics): `trunk` (whose options
     these are), the final norm and the LM head."""
-    x, stats = decode(params, tokens, cfg, **options)
+    x, stats = trunk(params, tokens, cfg, **options)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 
 

@@ -1,5 +1,5 @@
-"""Every GEMM of a layer matrix in NVFP4: Transformer Engine's training recipe
-(`NVFP4BlockScaling`), on model/quant.py's encoding. Rules and sources: docs/model.md.
+"""A layer matrix's GEMMs in NVFP4, on model/quant.py's encoding: Transformer Engine's
+training recipe (`NVFP4BlockScaling`), or its forward alone. Rules and sources: docs/model.md.
 
 Fprop, Dgrad and Wgrad of a linear layer all take FP4 operands: activations in 1x16 blocks,
 the weight in 16x16 tiles (so its transpose is the same values), gradients rounded
@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.quant import BLOCK, NVFP4Tensor, QuantError, quantize, split_blocks
+from model.quant import (BLOCK, NVFP4Tensor, Quantization, QuantError, quantize,
+                         split_blocks)
 
 
 # Transformer Engine's sign vector for the weight gradient's Hadamard transform: fixed, the
@@ -89,33 +90,38 @@ def block_scaled_matmul(a: NVFP4Tensor, b: NVFP4Tensor, path: str, dtype) -> jax
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fp4_matmul(x: jax.Array, w: jax.Array, key: jax.Array, path: str, gathered=None):
-    """x [M, K] times w [K, N] -> [M, N] in x's dtype, every GEMM in NVFP4 (Transformer
-    Engine's recipe, docs/model.md):
-      Fprop  x (1x16 blocks along K) times w (16x16 tiles), both rounded to nearest;
-      Dgrad  dy (1x16 along N, stochastic rounding) times the same quantized w, transposed;
-      Wgrad  x^T times dy, both rotated by the Hadamard transform along the tokens M and
-             quantized 1x16 along them, dy stochastically.
+def matmul(x: jax.Array, w: jax.Array, key: jax.Array, recipe: Quantization, gathered=None):
+    """x [M, K] times w [K, N] -> [M, N] in x's dtype, the forward GEMM in NVFP4: x in 1x16
+    blocks along K, w in 16x16 tiles (`recipe.two_d`, else 1x16 blocks), both rounded to
+    nearest. The backward (`recipe.backward`), Transformer Engine's recipe (docs/model.md):
+      "fp4"  Dgrad: dy (1x16 along N, stochastic rounding) times the forward's quantized w,
+             transposed; Wgrad: x^T times dy, both rotated by the Hadamard transform along
+             the tokens M and quantized 1x16 along them, dy stochastically;
+      "bf16" both in x's dtype on the unquantized x and w (JAX's own NVFP4 recipe).
     Gradients pass the quantization straight through; `key` draws the rounding bits. With
-    `gathered` (a sharding), w is quantized where it lies and its codes and tile scales are
-    gathered to it once, for the forward and the backward: no copy of w in the compute
-    dtype, and none quantized twice."""
-    return _fp4_forward(x, w, key, path, gathered)[0]
+    `gathered` (a sharding), w is quantized where it lies and its codes and scales are
+    gathered to it once, for the forward and the backward."""
+    return _forward(x, w, key, recipe, gathered)[0]
 
 
-def _fp4_forward(x, w, key, path, gathered):
+def _forward(x, w, key, recipe, gathered):
     if x.shape[0] % BLOCK:
-        raise QuantError(f"an FP4 backward needs the tokens ({x.shape[0]}) in blocks of "
-                         f"{BLOCK}: batch x seq a multiple of {BLOCK}")
+        raise QuantError(f"NVFP4 needs the tokens ({x.shape[0]}) in blocks of {BLOCK}: batch "
+                         f"x seq a multiple of {BLOCK}")
+    codes_dtype = _codes_dtype(recipe.path, x.dtype)
     with jax.named_scope("fp4_fprop"):
-        weight = quantize(w, 0, two_d=True, codes_dtype=_codes_dtype(path, x.dtype))
-        codes, scales = weight.codes, tiles(weight)
+        weight = quantize(w, 0, recipe.two_d, codes_dtype=codes_dtype)
+        # 16x16 tiles: one scale per tile, gathered and repeated either way after.
+        codes, scales = weight.codes, tiles(weight) if recipe.two_d else weight.block_scales
         if gathered is not None:
             codes, scales = jax.lax.with_sharding_constraint((codes, scales), gathered)
-        w_rows = tiled(codes.T, scales.T, weight.tensor_scale, axis=1)  # [N, K]
-        x_rows = quantize(x, 1, codes_dtype=_codes_dtype(path, x.dtype))
-        out = block_scaled_matmul(x_rows, w_rows, path, x.dtype)
-    return out, (x, codes, scales, weight.tensor_scale, key)
+        w_rows = (tiled(codes.T, scales.T, weight.tensor_scale, axis=1) if recipe.two_d else
+                  transposed(dataclasses.replace(weight, codes=codes, block_scales=scales)))
+        out = block_scaled_matmul(quantize(x, 1, codes_dtype=codes_dtype), w_rows,
+                                  recipe.path, x.dtype)
+    if recipe.backward == "bf16":
+        return out, (x, w, key)
+    return out, (x, (codes, scales, weight.tensor_scale), key)
 
 
 def random_bits(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -147,36 +153,41 @@ def rounding_bits(key: jax.Array, dy_shape: tuple[int, int]):
             random_bits(jax.random.fold_in(key, 1), dy_shape))
 
 
-def _fp4_backward(path, gathered, residuals, dy):
-    x, codes, scales, tensor_scale, key = residuals
+def _backward(recipe, gathered, residuals, dy):
+    x, weight, key = residuals
+    if recipe.backward == "bf16":
+        return dy @ weight.T.astype(dy.dtype), (x.T @ dy).astype(weight.dtype), None
+    codes, scales, tensor_scale = weight
     dgrad_bits, wgrad_bits = rounding_bits(key, dy.shape)
-    encode = partial(quantize, axis=1, codes_dtype=_codes_dtype(path, x.dtype))
+    encode = partial(quantize, axis=1, codes_dtype=_codes_dtype(recipe.path, x.dtype))
     with jax.named_scope("fp4_dgrad"):
         dx = block_scaled_matmul(encode(dy, bits=dgrad_bits),
-                                 tiled(codes, scales, tensor_scale, axis=1), path, x.dtype)
+                                 tiled(codes, scales, tensor_scale, axis=1), recipe.path,
+                                 x.dtype)
     with jax.named_scope("fp4_wgrad"):
         # Quantized along the tokens as they lie, then the codes transposed: no bf16 copy.
         x_cols = transposed(encode(hadamard(x, 0), axis=0))
         dy_cols = transposed(encode(hadamard(dy, 0), axis=0, bits=wgrad_bits))
-        dw = block_scaled_matmul(x_cols, dy_cols, path, x.dtype)
+        dw = block_scaled_matmul(x_cols, dy_cols, recipe.path, x.dtype)
     return dx, dw, None
 
 
-fp4_matmul.defvjp(_fp4_forward, _fp4_backward)
+matmul.defvjp(_forward, _backward)
 
 
-def fp4_einsum(subscripts: str, x: jax.Array, w: jax.Array, key: jax.Array, path: str,
-               gathered=None) -> jax.Array:
-    """A layer matrix's einsum through `fp4_matmul`: x's leading letters are tokens, its
-    trailing ones the contraction, which leads w ("btd,dnh->btnh", "btnh,nhd->btd")."""
+def einsum(subscripts: str, x: jax.Array, w: jax.Array, key: jax.Array, recipe: Quantization,
+           gathered=None) -> jax.Array:
+    """A layer matrix's einsum through `matmul`: x's leading letters are tokens, its trailing
+    ones the contraction, which leads w ("btd,dnh->btnh", "btnh,nhd->btd"); blocks run along
+    the flattened contraction (within a head for "btnh,nhd->btd")."""
     inputs, out = subscripts.replace(" ", "").split("->")
     xs, ws = inputs.split(",")
     contract = "".join(c for c in xs if c in ws)
     tokens, free = xs[:len(xs) - len(contract)], ws[len(contract):]
     if (xs, ws, out) != (tokens + contract, contract + free, tokens + free):
-        raise ValueError(f"{subscripts!r}: an FP4 layer matrix takes x's trailing letters "
+        raise ValueError(f"{subscripts!r}: an NVFP4 layer matrix takes x's trailing letters "
                          "as w's leading ones, the output x's tokens then w's rest")
     k = math.prod(w.shape[:len(contract)])
     # w in x's dtype (the compute dtype): its gradient comes back in it.
-    y = fp4_matmul(x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype), key, path, gathered)
+    y = matmul(x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype), key, recipe, gathered)
     return y.reshape(x.shape[:len(tokens)] + w.shape[len(contract):])

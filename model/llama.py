@@ -5,7 +5,7 @@ V vocab, L layers. Tags (`checkpoint_name`) use MaxText's names and positions, s
 checkpoint policy can keep, offload or recompute each tensor by name.
 
 The family's parts that the rest of the trainer reads (found through `model.families`):
-CONFIG, SCANS (its layer scans and their tags), UNQUANTIZED, param_specs, decode, forward,
+CONFIG, SCANS (its layer scans and their tags), UNQUANTIZED, param_specs, trunk, forward,
 training_flops, and HF_TYPE and hf_tensors (its Hugging Face names).
 """
 
@@ -72,10 +72,11 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
         return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
 
 
-def decode(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
-           dtype=jnp.bfloat16, attention: str | None = None,
-           quantization: Quantization | None = None, key: jax.Array | None = None):
-    """tokens [B, T] int -> (the last layer's output [B, T, D], before the final norm; {}).
+def trunk(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
+          dtype=jnp.bfloat16, attention: str | None = None,
+          quantization: Quantization | None = None, key: jax.Array | None = None):
+    """The decoder trunk (embedding, then the layers): tokens [B, T] int -> (the last layer's
+    output [B, T, D], before the final norm; {}).
 
     `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
     none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
@@ -100,9 +101,9 @@ def decode(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules 
 
 
 def forward(params, tokens, cfg: LlamaConfig, **options):
-    """tokens [B, T] int -> (logits [B, T, V] fp32, {}): `decode` (whose options these are),
+    """tokens [B, T] int -> (logits [B, T, V] fp32, {}): `trunk` (whose options these are),
     the final norm and the LM head."""
-    x, stats = decode(params, tokens, cfg, **options)
+    x, stats = trunk(params, tokens, cfg, **options)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 
 

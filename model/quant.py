@@ -1,5 +1,5 @@
-"""NVFP4: E2M1 codes, one E4M3 scale per 16 elements, one FP32 scale per tensor; and JAX's own
-forward-only NVFP4 product (model/fp4.py has Transformer Engine's, every GEMM in FP4).
+"""NVFP4: E2M1 codes, one E4M3 scale per 16 elements, one FP32 scale per tensor (model/fp4.py
+multiplies a layer's matrices in it).
 
 The encoding is Transformer Engine's quantize kernel (`core_nvfp4.cuh`), in FP32:
   S_enc = 2688 / amax (448 * 6: the largest E4M3 scale times the largest E2M1 code),
@@ -31,11 +31,11 @@ class QuantError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """How a model's layer matrices are multiplied in NVFP4. `backward` "fp4": all three GEMMs
-    in NVFP4 (`fp4.fp4_matmul`, Transformer Engine's recipe; needs `two_d`, 16x16 tiles);
-    "bf16": the forward only, the backward in the compute dtype (`nvfp4_einsum`). `path`
-    "scaled": Blackwell's block-scaled GEMM; "dequantize": codes times scales, then an
-    ordinary GEMM in the compute dtype (any backend, the same values)."""
+    """How a model's layer matrices are multiplied in NVFP4 (model/fp4.py). `backward` "fp4":
+    all three GEMMs in NVFP4 (Transformer Engine's recipe; needs `two_d`, 16x16 weight
+    tiles); "bf16": the forward only, the backward in the compute dtype. `path` "scaled":
+    Blackwell's block-scaled GEMM; "dequantize": codes times scales, then an ordinary GEMM in
+    the compute dtype (any backend, the same values)."""
     path: str = "dequantize"
     two_d: bool = True
     backward: str = "fp4"
@@ -95,11 +95,6 @@ def _encode_scale(x: jax.Array) -> jax.Array:
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
     s_enc = jnp.minimum(E4M3_MAX * E2M1_MAX / amax, FLT_MAX)
     return jnp.where((amax == 0) | (s_enc == 0) | jnp.isnan(s_enc), 1.0, s_enc)
-
-
-def tensor_scale(x: jax.Array) -> jax.Array:
-    """S_dec = 1 / S_enc ~ amax / 2688, the per-tensor scale of `quantize(x)`."""
-    return 1 / _encode_scale(x)
 
 
 def _block_amax(x: jax.Array, axis: int, two_d: bool) -> jax.Array:
@@ -174,22 +169,6 @@ def dequantize(q: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
     return (codes * scales * q.tensor_scale).reshape(q.codes.shape).astype(dtype)
 
 
-@partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def fake_quantize(w: jax.Array, axis: int, two_d: bool = False) -> jax.Array:
-    """dequantize(quantize(w)) in w's dtype, with a straight-through gradient (identity).
-
-    A custom_jvp rather than w + stop_gradient(q - w): the value is exactly the dequantized
-    weight (w + (q - w) can round differently) and no residual is kept for the backward pass.
-    """
-    return dequantize(quantize(w, axis, two_d), w.dtype)
-
-
-@fake_quantize.defjvp
-def _straight_through(axis, two_d, primals, tangents):
-    (w,), (dw,) = primals, tangents
-    return fake_quantize(w, axis, two_d), dw
-
-
 def nvfp4_bytes(shape: tuple[int, ...], axis: int, two_d: bool = False) -> int:
     """Bytes of `quantize`'s arrays as XLA stores them: E2M1 packed two per byte (which
     `Array.nbytes` reports as one byte each), one byte per block scale, 4 for the tensor scale."""
@@ -197,64 +176,3 @@ def nvfp4_bytes(shape: tuple[int, ...], axis: int, two_d: bool = False) -> int:
                        jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
     return sum(math.prod(a.shape) * jax.dtypes.itemsize_bits(a.dtype) // 8
                for a in jax.tree.leaves(q))
-
-
-def nvfp4_einsum(subscripts: str, x: jax.Array, w: jax.Array, axis: int, two_d: bool = False,
-                 path: str = "dequantize") -> jax.Array:
-    """Two-operand einsum with `w` (16-blocks along its contraction `axis`) in NVFP4.
-
-    "dequantize": fake_quantize(w) then an ordinary einsum in x's dtype; x stays as it is.
-    "scaled" (Blackwell): JAX's block-scaled dot, which quantizes *both* operands 1x16 along
-    their flattened contraction dims with its own numerics (x / global scale, x / block scale),
-    so `axis` and `two_d` do not apply. Its backward is two dots of the unquantized operands,
-    zeroed where |operand| > 2688 * global scale.
-    """
-    if path == "dequantize":
-        return jnp.einsum(subscripts, x, fake_quantize(w, axis, two_d).astype(x.dtype))
-    if path == "scaled":
-        return _scaled_einsum(subscripts, x, w.astype(x.dtype))
-    raise ValueError(f"unknown NVFP4 einsum path {path!r}: 'dequantize' or 'scaled'")
-
-
-def _dot_general_plan(subscripts: str):
-    """einsum subscripts -> (dot_general dimension numbers, the permutation from dot_general's
-    (batch, lhs free, rhs free) order to the output's)."""
-    inputs, out = subscripts.replace(" ", "").split("->")
-    lhs, rhs = inputs.split(",")
-    contract = [c for c in lhs if c in rhs and c not in out]
-    batch = [c for c in lhs if c in rhs and c in out]
-    result = batch + [c for c in lhs if c not in rhs] + [c for c in rhs if c not in lhs]
-    if sorted(result) != sorted(out):
-        raise ValueError(f"{subscripts!r}: every letter of one operand must be in the output")
-    dims = ((tuple(map(lhs.index, contract)), tuple(map(rhs.index, contract))),
-            (tuple(map(lhs.index, batch)), tuple(map(rhs.index, batch))))
-    return dims, tuple(map(result.index, out))
-
-
-def _within_range(scaled: jax.Array) -> jax.Array:
-    """An operand divided by its tensor scale, at most 2688 (6 x 448) in magnitude, with an
-    identity gradient. Exactly, the amax element lands on 2688; XLA may compute a / (1 / S_enc)
-    as a x S_enc and land it an ulp above, and JAX's straight-through rule zeroes the gradient
-    of any element past 2688 (as clipped by the quantization) though none was."""
-    bound = E4M3_MAX * E2M1_MAX
-    return scaled + jax.lax.stop_gradient(jnp.clip(scaled, -bound, bound) - scaled)
-
-
-def _scaled_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    dims, order = _dot_general_plan(subscripts)
-    contraction = math.prod(x.shape[d] for d in dims[0][0])
-    if contraction % BLOCK:
-        raise QuantError(f"{subscripts!r}: contraction size {contraction} is not a multiple "
-                         f"of {BLOCK}")
-    # Each operand divided by its own tensor scale, JAX's kernel called with unit scales and
-    # the product scaled back: the same numerics as handing it the scales, but JAX keeps a
-    # config's scale as a constant of the traced function, which a scale computed from the
-    # data (a tracer) cannot be inside scan or jax.checkpoint. The unit scale is a scalar, not
-    # the documented shape (1,), which would be rank promotion against the operands.
-    scales = [jax.lax.stop_gradient(tensor_scale(a)) for a in (x, w)]
-    unit = jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=np.ones((), np.float32))
-    out = jax.nn.scaled_dot_general(_within_range(x / scales[0]).astype(x.dtype),
-                                    _within_range(w / scales[1]).astype(w.dtype), dims,
-                                    preferred_element_type=x.dtype, configs=[unit] * 3)
-    out = (out.astype(jnp.float32) * (scales[0] * scales[1])).astype(x.dtype)
-    return jnp.transpose(out, order)

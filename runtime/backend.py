@@ -14,7 +14,8 @@ JAX starts.
     all-reduce over 64 GB200s ("LLVM Fatal Error ... size mismatch when packing elements"),
     and XLA reads this list-valued setting only from XLA_FLAGS, not from a compile's options.
 
-What a step is built for (this machine, compile-only GPUs) is trainer/target.py's.
+What a step is built for (this machine, compile-only GPUs) is trainer/target.py's. This
+module imports nothing of the project: everything else may import it first.
 """
 
 import contextlib
@@ -26,16 +27,17 @@ import re
 import sys
 import tempfile
 
-from configs import ConfigError
-from configs.gpus import Gpu
-
-# JAX's own default leaves a quarter of the GPU unused (46 GiB of a GB200), and the study's
-# DeepSeek-V3 row ran in 165.2 of a GB200's 184.3 GiB; 5% stays outside XLA's pool for the
-# CUDA context and NCCL's buffers.
+# JAX's own default (0.75) leaves a quarter of the GPU unused, and the study's DeepSeek-V3 row
+# needed more than that (docs/study.md); 5% stays outside XLA's pool for the CUDA context and
+# NCCL's buffers.
 MEMORY_FRACTION = 0.95
 FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 NCCL_ALL_REDUCES = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
 _CUDA_STUB_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers")
+
+
+class BackendError(ValueError):
+    """A setting of the environment JAX starts in that cannot work (one line, exit status 2)."""
 
 
 def has_gpu() -> bool:
@@ -57,14 +59,9 @@ def memory_fraction() -> tuple[float, str]:
             except ValueError:
                 fraction = -1.0
             if not 0 < fraction <= 1:
-                raise ConfigError(f"{name}={os.environ[name]!r}: expected a fraction in (0, 1]")
+                raise BackendError(f"{name}={os.environ[name]!r}: expected a fraction in (0, 1]")
             return fraction, name
     return MEMORY_FRACTION, FRACTION_VARIABLES[0]
-
-
-def pool_bytes(gpu: Gpu) -> int:
-    """What XLA's memory pool takes of one `gpu`: the memory fraction of its memory."""
-    return int(memory_fraction()[0] * gpu.memory)
 
 
 @contextlib.contextmanager
@@ -94,8 +91,7 @@ def quiet():
 
 # XLA's rematerialization pass warns from its own estimate of a GPU program's memory: made
 # before the final schedule and buffer assignment, and counting the pinned-host buffers of
-# offloaded activations as device memory (llama405b-offload: "only reduced to 205.14GiB", of
-# which 70.9 GiB are host buffers; the compiled program holds 133.7 GiB on the device).
+# offloaded activations as device memory (docs/placement.md has an example).
 _REMAT_WARNING = re.compile(r"hlo_rematerialization.*Can't reduce memory use below")
 REMAT_NOTE = ("  (XLA's rematerialization pass: its estimate counts the host buffers of offloaded "
               "activations as device memory and is made before the final schedule; what the "

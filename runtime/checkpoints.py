@@ -1,12 +1,10 @@
 """Training checkpoints with Orbax: asynchronous sharded saves, exact resumes, stops on request.
 
-A checkpoint is one step folder of an Orbax `CheckpointManager` directory with three items:
-`params` and `optimizer` (the optimizer state and the step counter; arrays, every process
-writing its own shards) and `meta` (JSON: the step, the experiment, the resolved model and run
-settings, the model's Hugging Face config for export). The data position needs nothing more:
-every batch is a function of (seed, step), so the step is the position. Orbax writes a step
-into a temporary folder and renames it when complete, so a save cut short (kill -9) leaves no
-step that could be picked.
+A checkpoint is a step folder of an Orbax `CheckpointManager` directory: `params`, `optimizer`
+(its state and the step counter; each process writes its own shards) and `meta` (JSON: step,
+experiment, resolved model and run settings, Hugging Face config for export). Every batch is a
+function of (seed, step), so the step is the data position. Orbax renames a step's temporary
+folder once complete, so a save cut short (kill -9) leaves no step that could be picked.
 """
 
 import dataclasses
@@ -113,9 +111,8 @@ class Source:
 
 
 def _complete_steps(directory: Path) -> list[int]:
-    if not directory.is_dir():
-        return []
-    return sorted(ocp.path.step.checkpoint_steps(directory), reverse=True)
+    steps = ocp.path.step.checkpoint_steps(directory) if directory.is_dir() else []
+    return sorted(steps, reverse=True)
 
 
 def _run_order(run_dir: Path) -> tuple[str, int]:
@@ -150,9 +147,8 @@ def find(target: str, out_dir: str, run_prefix: str) -> Source:
 
 
 def check_outputs(setup, batch_size: int) -> Source | None:
-    """Where the run writes and the checkpoint it resumes from, checked before anything is
-    compiled: an unusable folder, a checkpoint directory already in use or a resume that
-    cannot work is one line."""
+    """The output folders and the resume checkpoint, checked before anything is compiled: an
+    unusable folder, a checkpoint directory in use or a resume that cannot work is one line."""
     run = setup.run
     for key in ("out_dir", "checkpoint_dir"):
         path = Path(getattr(run, key))
@@ -198,15 +194,13 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
                         meta=ocp.args.JsonRestore())
         except Exception as e:  # Orbax and TensorStore raise many types for damaged files
             problem = _first_line(e)
-        if not _everywhere(got is not None):  # every process falls back or fails together
-            problem = f"checkpoint {source.directory / str(step)} does not read back: {problem}"
-            if source.named_step or step == source.steps[-1]:
-                raise CheckpointNotFound(problem) from None
-            if jax.process_index() == 0:
-                print(f"warning: {problem}; trying the one before it", file=sys.stderr)
-            continue
-        state = {"params": got["params"], **got["optimizer"]}
-        return state, got["meta"]
+        if _everywhere(got is not None):  # every process falls back or fails together
+            return {"params": got["params"], **got["optimizer"]}, got["meta"]
+        problem = f"checkpoint {source.directory / str(step)} does not read back: {problem}"
+        if source.named_step or step == source.steps[-1]:
+            raise CheckpointNotFound(problem) from None
+        if jax.process_index() == 0:
+            print(f"warning: {problem}; trying the one before it", file=sys.stderr)
     raise AssertionError("unreachable: Source has at least one step")
 
 
@@ -223,9 +217,8 @@ def read_params(source: Source, abstract_params) -> tuple[dict, dict]:
 
 
 class Saver:
-    """The run's checkpoint directory, made at the first save. Saves are asynchronous: the
-    arrays are copied off the devices, then written while the next steps run. The newest
-    `keep` are kept."""
+    """The run's checkpoint directory, made at the first save. Saves are asynchronous (copied off
+    the devices, then written while the next steps run); the newest `keep` are kept."""
 
     def __init__(self, directory: Path, keep: int, every: int):
         self.directory, self.keep, self.every = directory, keep, every
@@ -261,9 +254,8 @@ class StopRequests:
     process stop at the same step, and Ctrl-C keeps its usual meaning."""
 
     def __init__(self):
-        self.signal = None
+        self.signal, self.previous = None, {}
         self.multi = jax.process_count() > 1
-        self.previous = {}
 
     def __enter__(self) -> "StopRequests":
         # One process stopping alone would leave the others waiting in a collective.

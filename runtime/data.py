@@ -31,9 +31,8 @@ class TokenFile:
     def __init__(self, path: str, dtype: str, vocab: int, seed: int, seq: int):
         if not os.path.isfile(path):
             raise DataError(f"data.path={path!r}: no such file")
-        itemsize = np.dtype(dtype).itemsize
         size = os.path.getsize(path)
-        if size == 0 or size % itemsize:
+        if size == 0 or size % np.dtype(dtype).itemsize:
             raise DataError(f"data.path={path!r}: {size} bytes is not a whole number of "
                             f"{dtype} tokens")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -42,12 +41,9 @@ class TokenFile:
             raise DataError(f"data.path={path!r}: {len(self.tokens)} tokens, fewer than one "
                             f"window of seq+1={seq + 1}")
         for start in range(0, len(self.tokens), 1 << 24):  # the whole file, in 16M-token reads
-            self._check(self.tokens[start:start + (1 << 24)])
-
-    def _check(self, tokens: np.ndarray) -> None:
-        if tokens.size and int(tokens.max()) >= self.vocab:
-            raise DataError(f"data.path={self.path!r}: token id {int(tokens.max())} is outside "
-                            f"the model's vocabulary of {self.vocab} (wrong data.dtype?)")
+            if (top := int(self.tokens[start:start + (1 << 24)].max())) >= vocab:
+                raise DataError(f"data.path={path!r}: token id {top} is outside the model's "
+                                f"vocabulary of {vocab} (wrong data.dtype?)")
 
     def batch(self, step: int, batch: int, seq: int) -> np.ndarray:
         rng = np.random.default_rng((self.seed, step))

@@ -49,8 +49,7 @@ class Launch:
     local_device_ids: tuple[int, ...] | None = None  # None: every device this process sees
 
     def describe(self) -> str:
-        return (f"process {self.process_id} of {self.num_processes} (coordinator "
-                f"{self.coordinator})")
+        return f"process {self.process_id} of {self.num_processes} (coordinator {self.coordinator})"
 
 
 def _int(name: str) -> int:
@@ -66,16 +65,15 @@ def _explicit() -> Launch:
         raise ConfigError(f"{' and '.join(given)} set without {' and '.join(missing)}: an "
                           f"explicit multi-process launch sets all of {', '.join(EXPLICIT)}")
     ids = _local_ids()
-    return Launch(os.environ[EXPLICIT[0]], _int(EXPLICIT[1]), _int(EXPLICIT[2]),
-                  None if ids is None else tuple(ids))
+    return Launch(os.environ[EXPLICIT[0]], _int(EXPLICIT[1]), _int(EXPLICIT[2]), ids)
 
 
-def _local_ids() -> list[int] | None:
+def _local_ids() -> tuple[int, ...] | None:
     """JAX_LOCAL_DEVICE_IDS (which JAX reads too), checked."""
     ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
     if ids and not re.fullmatch(r"\d+(,\d+)*", ids):
         raise ConfigError(f"JAX_LOCAL_DEVICE_IDS={ids!r}: expected integers, comma-separated")
-    return list(map(int, ids.split(","))) if ids else None
+    return tuple(map(int, ids.split(","))) if ids else None
 
 
 def detect() -> Launch | None:
@@ -141,15 +139,11 @@ def _stderr_held():
         os.dup2(held.fileno(), 2)
         try:
             yield saved
-        except BaseException:
-            os.dup2(saved, 2)
-            raise
-        else:
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode(errors="replace"))
         finally:
+            os.dup2(saved, 2)
             os.close(saved)
+        held.seek(0)  # reached only when the body succeeded
+        sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def _give_up(launch: Launch, seconds: int, stderr: int) -> None:

@@ -2,7 +2,6 @@
 profile), the header (built as rows of data), a line per step, the summary; comparison
 tables. Only process 0 prints and writes."""
 
-import dataclasses
 import json
 import math
 import os
@@ -17,11 +16,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import configs
-from analysis import plan
 from model import common, families
 from model.config import LlamaConfig
-from runtime import backend
-from trainer.target import compiler_options, forward_options, quantization_words
+from runtime import backend, placement
+from trainer.target import forward_options, quantization_words
 
 GiB = 2**30
 
@@ -42,7 +40,7 @@ def model_line(cfg) -> str:
     return f"{shape}: {count:,} parameters"
 
 
-def _policy_line(tables: dict | None) -> str:
+def _placement_line(tables: dict | None) -> str:
     if tables is None:
         return "none: no checkpointing, autodiff keeps every residual on device"
     return "; ".join(f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
@@ -70,12 +68,7 @@ def flags_line(run, target) -> str:
     flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
     if target.platform != "gpu":
         return f"{flags} [NOT applied: {target.platform} backend, GPU only]"
-    options = compiler_options(run, target)
-    extra = [f"{k}={options[k]}" for k in sorted(options.keys() - run.xla_flags.keys())]
-    deviceless = (f"; compile-only devices also set {' '.join(extra)} (trainer/target.py: "
-                  "DEVICELESS)" if extra else "")
-    return (f"{flags} [applied{deviceless}]; XLA_FLAGS (every compile): "
-            f"{os.environ.get('XLA_FLAGS', '')}")
+    return f"{flags} [applied]; XLA_FLAGS (every compile): {os.environ.get('XLA_FLAGS', '')}"
 
 
 def new_run_dir(root: str, name: str) -> Path:
@@ -138,7 +131,7 @@ def say(text: str = "") -> None:
 def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
                 first_step: int) -> list[tuple[str, str]]:
     """The run header as (key, value) rows: what runs, where, at which scale, with which
-    kernels, flags and placement, and where its outputs go."""
+    kernels, flags and placement, what its compiled program holds, where its outputs go."""
     run, full, target, mesh = setup.run, setup.experiment, built.target, built.mesh
     devices = len(target.devices)
     scale = ("PROXY -- a small model of the same family, not the study's numbers"
@@ -146,29 +139,21 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
     compute = run.compute_dtype
     if setup.scale == "proxy" and compute != full.run.compute_dtype:
         compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
-    pool = ""
-    if target.platform == "gpu":
-        compiled = built.compiled_memory()
-        fraction, variable = backend.memory_fraction()
-        pool = (f"\n{'':12}the step needs {compiled.device / GiB:.1f} GiB of JAX's "
-                f"{(target.pool_bytes() or 0) / GiB:.1f} GiB pool per GPU ({variable}="
-                f"{fraction:g}) and {compiled.host / GiB:.1f} GiB of pinned host memory")
-    dropped = ("\n" + " " * 12 + "(offloaded tensors stay in memory on this backend: XLA's "
-               "CPU lowering drops placement annotations)" if target.platform != "gpu" and any(
-                   "offload" in t.values() for t in (setup.tables or {}).values()) else "")
     return [
         ("experiment", f"{full.name}: {full.summary}"),
         ("scale", f"{scale}\n{'':12}({setup.scale_reason})"),
         ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
-        ("full scale", model_line(full.model)),
-        ("devices", f"{target.description}, mesh {dict(mesh.shape)}{pool}"),
+        ("full scale", f"{model_line(full.model)}; its memory plan and GPU program: python -m "
+                       f"study plan|compile {full.name}"),
+        ("devices", f"{target.description}, mesh {dict(mesh.shape)}"),
         ("batch", f"{batch_size} sequences x {run.seq} tokens "
                   f"({batch_size / devices:g} per device)"),
         ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                    "softmax, norms and loss float32"),
         ("kernels", kernels_line(setup.model, run, target)),
-        ("policy", f"{run.policy}: {_policy_line(setup.tables)}{dropped}"),
+        ("placement", f"{run.preset}: {_placement_line(setup.placement)}"),
         ("xla flags", flags_line(run, target)),
+        ("memory", _memory_words(built, target)),
         ("data", run.data.path or f"synthetic uniform tokens, seed {run.seed}"),
         ("checkpoints", _checkpoint_words(setup, run_dir, first_step)),
         ("compile", f"{built.compile_s:.1f} s; model {flops / 1e12:,.2f} TFLOP per "
@@ -177,24 +162,30 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
     ]
 
 
+def _memory_words(built, target) -> str:
+    """What the compiled program holds per device, against the pool where there is one."""
+    compiled = built.compiled_memory()
+    pool = target.pool_bytes()
+    words = f"{compiled.device / GiB:.2f} GiB per device"
+    if pool:
+        fraction, variable = backend.memory_fraction()
+        words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
+    return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
+                    if target.platform == "gpu" else "")
+
+
 def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
                  first_step: int) -> None:
-    """The header rows, the full-scale plan and this run's placement list."""
+    """The header rows, then where each offloaded activation lives in this run's program."""
     say("=" * 100)
     for key, value in header_rows(setup, built, batch_size, flops, run_dir, first_step):
         say(f"{key:<11} {value}")
-    say("=" * 100)
-    full = setup.experiment
-    full_run = dataclasses.replace(full.run, policy=setup.run.policy,
-                                   placements=setup.run.placements)
-    for line in plan.plan_lines(full.name, full_run, built.full_plan):
-        say(line)
-    say("-" * 100)
-    proof = ("checked on the compiled program's host buffers" if built.target.platform
-             == "gpu" else "proved on the program exported for a GPU")
-    say(f"placement, this run (per device; {proof}):")
-    for line in plan.placement_lines(built.run_tags):
-        say(line)
+    if built.offloaded:
+        hlo = built.compiled.as_text() if built.target.platform == "gpu" else None
+        say("-" * 100)
+        say("offloaded, per layer and device, in this run's compiled program:")
+        for line in placement.placement_lines(built.offloaded, hlo):
+            say(line)
     say("=" * 100)
 
 
@@ -227,8 +218,8 @@ class StepLog:
                  first_step: int):
         self.run, self.built, self.run_dir, self.flops = setup.run, built, run_dir, flops
         self.tokens, self.first_step = batch_size * setup.run.seq, first_step
-        offloaded = [line.value for line in built.run_tags if line.offloaded]
-        self.host_planned = sum(v.nbytes * v.count for v in offloaded)
+        self.host_planned = sum(v.nbytes * v.count for sites in built.offloaded.values()
+                                for v in sites)
         last = min(first_step + 3, setup.run.steps)
         self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
         self.times: list[float] = []
@@ -302,13 +293,13 @@ def comparison(name: str, rows: list) -> None:
     markdown and CSV beside the runs, by process 0 only."""
     if jax.process_index() != 0:
         return
-    header = ["row", "policy", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
+    header = ["row", "preset", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
               "peak device GiB", "host offload GiB (planned)"]
     table = []
     for setup, summary in rows:
         flags = setup.run.xla_flags
         peak = summary["peak_device_bytes"]
-        table.append([setup.experiment.name, setup.run.policy,
+        table.append([setup.experiment.name, setup.run.preset,
                       flags.get(configs.LHS, "default"), flags.get(configs.PIPELINED, "false"),
                       f"{summary['median_step_s'] * 1e3:.1f}",
                       f"{summary['tflops_per_device']:.3f}",

@@ -1,26 +1,22 @@
 """A run's settings, resolved and checked before anything is compiled (any mistake is one
 line and exit status 2), then built: the mesh, the step compiled ahead of time for its target
-(this machine's devices or compile-only GPUs), the full-scale plan, the state."""
+(this machine's devices, or the study tools' compile-only GPUs), the state."""
 
 import dataclasses
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
 import configs
-from analysis import memory, plan
-from analysis.memory import MemoryPlan, TagLine
-from analysis.traced import TracedStep
 from configs import ConfigError
 from hf.load import Checkpoint, open_checkpoint
 from model import common, families
-from offload import policies
-from runtime import checkpoints
+from offload import activations, optimizer_state
+from runtime import checkpoints, placement
 from runtime.data import token_source
-from trainer import build as step_build
+from trainer import program
 from trainer.step import make_optimizer
 from trainer.target import Target
 
@@ -33,7 +29,7 @@ class Setup:
     scale_reason: str
     model: configs.ModelConfig
     run: configs.RunConfig
-    tables: dict | None  # scan -> placement table; None when checkpointing is off
+    placement: dict | None  # scan -> {tag: device|offload|remat}; None: checkpointing off
     data: object
     hf_params: Checkpoint | None  # init_from, not read yet: each process reads its share
     resume: checkpoints.Source | None = None  # the checkpoint this run continues from
@@ -66,7 +62,7 @@ def check(model, run: configs.RunConfig, n_devices: int) -> None:
     """Every impossible setting, as one ConfigError; NVFP4 widths only once the rest is sound
     (they are found by tracing the model)."""
     found = configs.problems(model, run, n_devices)
-    if found := found or step_build.quantization_problems(model, run):
+    if found := found or program.quantization_problems(model, run):
         raise ConfigError("; ".join(found))
 
 
@@ -95,21 +91,21 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     check(model, run, run.mesh.devices if full else len(devices))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
-    setup = Setup(experiment, scale, why, model, run, placement_tables(model, run), data,
+    setup = Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
                   hf_params, args=tuple(args))
     if not full:
         setup.resume = checkpoints.check_outputs(setup, run.batch(len(devices)))
     return setup
 
 
-def placement_tables(model, run: configs.RunConfig) -> dict | None:
-    """The run's placement table per layer scan; None when checkpointing is off."""
-    if run.policy == policies.NO_CHECKPOINT:
-        if run.placements:
-            raise ConfigError("policy.<tag> overrides need a policy preset, not policy=none")
+def resolve_placement(model, run: configs.RunConfig) -> dict | None:
+    """The run's placement per layer scan; None when checkpointing is off."""
+    if run.preset == activations.NO_CHECKPOINT:
+        if run.placement:
+            raise ConfigError("placement.<tag> overrides need a preset, not preset=none")
         return None
     try:
-        return policies.placement_tables(run.policy, run.placements, families.scan_tags(model))
+        return activations.placement(run.preset, run.placement, families.scan_tags(model))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -117,7 +113,7 @@ def placement_tables(model, run: configs.RunConfig) -> dict | None:
 def init_state(setup: Setup, rules: common.AxisRules, optimizer):
     """Parameters and optimizer state, created sharded (FSDP) on the mesh."""
     shardings = jax.tree.map(lambda a: a.sharding,
-                             step_build.abstract_state(setup.model, setup.run, rules, optimizer))
+                             program.abstract_state(setup.model, setup.run, rules, optimizer))
     specs = families.of(setup.model).param_specs(setup.model)
     dtype = jnp.dtype(setup.run.param_dtype)
     if setup.hf_params is None:
@@ -138,17 +134,19 @@ def global_batch(setup: Setup, step: int, sharding, batch_size: int):
 class Built:
     """A run's step compiled for its target, and what its report needs; no array exists yet."""
     target: Target
-    mesh: jax.sharding.Mesh
-    rules: common.AxisRules
+    rules: common.AxisRules  # its mesh, rules.mesh
     optimizer: object
     compiled: jax.stages.Compiled
     compile_s: float
-    full_plan: MemoryPlan  # the full-scale static plan
-    run_tags: list[TagLine]  # this run's placement list, checked on its own program
-    arrived: int = 0  # host optimizer state compiled as device arguments (memory.CompiledMemory)
+    offloaded: dict  # tag -> the values the traced step moves to host (runtime/placement.py)
+    arrived: int = 0  # host optimizer state compiled as device arguments (compile-only GPUs)
 
-    def compiled_memory(self) -> memory.CompiledMemory:
-        return memory.CompiledMemory.of(self.compiled, self.arrived)
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.rules.mesh
+
+    def compiled_memory(self) -> placement.CompiledMemory:
+        return placement.CompiledMemory.of(self.compiled, self.arrived)
 
 
 def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
@@ -157,9 +155,9 @@ def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
     run = setup.run
     if run.attention == "cudnn" and target.platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
-    mesh = step_build.make_mesh(run, target.devices)
+    mesh = program.make_mesh(run, target.devices)
     rules, optimizer = common.AxisRules(mesh=mesh), make_optimizer(run.optimizer, run.steps)
-    if run.optimizer_state == "host" and target.gpu is None:
+    if run.optimizer_state == "host" and not target.compile_only:
         check_host_state(setup, target, rules, optimizer)
     return rules, optimizer
 
@@ -171,9 +169,8 @@ def check_host_state(setup: Setup, target: Target, rules, optimizer) -> None:
     if "pinned_host" not in kinds:
         raise ConfigError(f"optimizer_state=host: the {target.platform} backend has no "
                           f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
-    abstract = step_build.abstract_state(setup.model, setup.run, rules, optimizer)
-    moments = memory.moment_bytes(abstract["opt_state"])
-    need = 2 * moments * len(jax.local_devices())
+    abstract = program.abstract_state(setup.model, setup.run, rules, optimizer)
+    need = 2 * optimizer_state.moment_bytes(abstract["opt_state"]) * len(jax.local_devices())
     have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > have:
         raise ConfigError(f"optimizer_state=host: the state and its new copy need "
@@ -181,54 +178,42 @@ def check_host_state(setup: Setup, target: Target, rules, optimizer) -> None:
                           f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
 
 
-def build(setup: Setup, target: Target) -> Built:
-    """The one path from settings to a compiled step: a run on this machine's devices and
-    `--compile` on compile-only GPUs both come here. The full-scale plan is traced with kernels
-    every backend has (it needs no device); on a GPU the run's placement list is checked on
-    the compiled program's host buffers, elsewhere on the program exported for a GPU."""
+def build(setup: Setup, target: Target, laid_out=None, extra_options=None) -> Built:
+    """The one path from settings to a compiled step: a run on this machine's devices and the
+    study tools on compile-only GPUs (with `extra_options`) both come here. `laid_out`: the
+    (rules, optimizer) of `layout`, when the caller has them already."""
     run = setup.run
-    rules, optimizer = layout(setup, target)
-    mesh, mesh_shape = rules.mesh, run.mesh.shape(len(target.devices))
+    rules, optimizer = laid_out or layout(setup, target)
     started = time.perf_counter()
-    compiled = step_build.compile_step(setup.model, run, setup.tables, rules, optimizer, target)
+    jaxpr, compiled = program.compile_step(setup.model, run, setup.placement, rules, optimizer,
+                                           target, extra_options)
     compile_s = time.perf_counter() - started
-    hlo = compiled.as_text() if target.platform == "gpu" else None
     arrived = 0
-    if run.optimizer_state == "host" and target.gpu is not None:
-        abstract = step_build.abstract_state(setup.model, run, rules, optimizer)
-        arrived = memory.moment_bytes(abstract["opt_state"])
-    full = setup.experiment
-    if (full.model, full.run, full.run.mesh.shape(full.run.mesh.devices)) == (
-            setup.model, run, mesh_shape):  # this run is the full-scale one: plan it once
-        full_plan = plan.full_scale(full, setup.tables, hlo)
-        return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan,
-                     full_plan.tags, arrived)
-    full_plan = plan.full_scale(full, setup.tables)
-    run_tags = memory.tag_lines(TracedStep(setup.model, run, mesh_shape), setup.tables, hlo)
-    return Built(target, mesh, rules, optimizer, compiled, compile_s, full_plan, run_tags,
-                 arrived)
+    if run.optimizer_state == "host" and target.compile_only:
+        abstract = program.abstract_state(setup.model, run, rules, optimizer)
+        arrived = optimizer_state.moment_bytes(abstract["opt_state"])
+    return Built(target, rules, optimizer, compiled, compile_s,
+                 placement.offloaded_in(jaxpr.jaxpr), arrived)
 
 
-def check_addressing(built: Built) -> None:
-    """Before step 1 on GPUs: a step that reads offloaded activations back from the wrong
-    bytes stops the run; one whose addressing cannot be verified runs, with a warning."""
-    if refusal := plan.addressing_refusal(built.run_tags):
-        raise ConfigError(refusal)
-    if problems := plan.addressing_problems(built.run_tags):
-        if jax.process_index() == 0:
-            print(f"warning: {problems[0]}: the gradients of this run are unproven; "
-                  "benchmarks/gpu_check.py checks them on a GPU", file=sys.stderr)
+def check_host_reads(built: Built) -> None:
+    """Before step 1 on GPUs, when the run offloads: a jax that reads offloaded activations
+    back in the wrong layer order (runtime/placement.py's probe) stops the run."""
+    if built.target.platform != "gpu" or built.target.compile_only or not built.offloaded:
+        return
+    if not placement.host_reads_in_order():
+        raise ConfigError("this jax reads offloaded activations back from the wrong layers on "
+                          "this GPU (openxla/xla #46231; fixed in jax 0.11.1): the gradients "
+                          "would be wrong; use the pinned jax or a placement without offload")
 
 
-def start_state(setup: Setup, target: Target) -> tuple[dict, int]:
+def start_state(setup: Setup, target: Target, laid_out) -> tuple[dict, int]:
     """(state, steps already done): restored from the resume checkpoint, resharded onto this
     run's mesh, or freshly initialized. Before the step is compiled: a checkpoint that does
     not read back costs no compile."""
-    rules, optimizer = layout(setup, target)
+    rules, optimizer = laid_out
     if setup.resume is None:
         return init_state(setup, rules, optimizer), 0
-    abstract = step_build.abstract_state(setup.model, setup.run, rules, optimizer)
+    abstract = program.abstract_state(setup.model, setup.run, rules, optimizer)
     state, meta = checkpoints.restore(setup.resume, abstract)
     return state, meta["step"]
-
-

@@ -34,7 +34,7 @@ from model.config import DeepSeekConfig  # noqa: E402
 from hf.load import open_checkpoint  # noqa: E402
 from model import families  # noqa: E402
 from runtime import setup as runtime_setup  # noqa: E402
-from trainer import build as trainer_build  # noqa: E402
+from trainer import program  # noqa: E402
 from trainer import target as trainer_target  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py, which the
@@ -97,14 +97,15 @@ def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
     argv = RUNS["deepseek"]
     setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
     setup.resume = checkpoints.find(str(checkpoint), "", "")
-    state, _ = runtime_setup.start_state(setup, trainer_target.this_machine())
+    target = trainer_target.this_machine()
+    state, _ = runtime_setup.start_state(setup, target, runtime_setup.layout(setup, target))
     return flat(multihost_utils.process_allgather(state["params"], tiled=True))
 
 
 def make_mesh(expert: int):
     """A run's data x fsdp x expert mesh over every process's devices."""
-    return trainer_build.make_mesh(configs.RunConfig(mesh=configs.MeshConfig(expert=expert)),
-                                   jax.devices())
+    return program.make_mesh(configs.RunConfig(mesh=configs.MeshConfig(expert=expert)),
+                             jax.devices())
 
 
 def main(results: Path, runs: Path, one_process_checkpoint: Path) -> int:

@@ -1,5 +1,5 @@
 """The compiled GPU program reads each offloaded activation back from the bytes the forward
-pass wrote it to (analysis/addressing.py): proved for the pinned jax on a small scanned stack
+pass wrote it to (study/addressing.py): proved for the pinned jax on a small scanned stack
 compiled for a GPU, refuted on the optimized HLO jax 0.10.2 compiled for the same program
 (committed), and each half of the proof (the index the loop passes, XLA's descriptor) shown
 able to fail on hand-written programs whose addresses are computed by hand."""
@@ -10,14 +10,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from analysis import plan
+from study import plan
 from configs import ConfigError
-from configs.gpus import GPUS
-from analysis import addressing, memory, placement
-from analysis.trace import Tagged
+from study.compile_only import compile_only
+from study.gpus import GPUS
+from study import addressing, memory, placement
+from study.jaxpr import Tagged
 from tools import offload_probe
-from runtime import setup as runtime_setup
-from trainer import target as trainer_target
+from runtime import placement as runtime_placement, setup as runtime_setup
+from trainer.target import Target
 
 FIXTURES = offload_probe.FIXTURES
 
@@ -27,7 +28,7 @@ FIXTURES = offload_probe.FIXTURES
 def test_the_pinned_jax_reads_host_buffers_back_in_reverse_layer_order(options, remat3):
     """Also under JAX's next remat implementation (jax_remat3), which matches policies by the
     class of their answer."""
-    devices = trainer_target.compile_only(GPUS["h200"], 1).devices
+    devices = compile_only(GPUS["h200"], 1).devices
     jax.config.update("jax_remat3", remat3)
     try:
         hlo = offload_probe.compile_probe(devices, options)
@@ -285,21 +286,52 @@ def test_host_buffers_map_to_their_tags_and_a_stray_one_is_an_error():
         placement.compiled_host_buffers(hand_written(), [])
 
 
-def test_a_gpu_run_refuses_a_step_that_reads_the_wrong_bytes(capsys):
-    """What train.py does between compiling and step 1 on GPUs, given the placement list of
-    jax 0.10.2's program: one line naming the tag, the XLA issue and the first fixed jax."""
+def test_the_study_reports_a_step_that_reads_the_wrong_bytes():
+    """What the study's compile says of the placement list of jax 0.10.2's program: a line
+    naming the tag, the bytes it reads and the XLA issue; a program it cannot verify is
+    reported as such, never as checked."""
     (wrong,) = addressing.prove((FIXTURES / "jax-0.10.2.hlo").read_text())
     value = Tagged("query_proj", (256, 512), jnp.dtype(jnp.float32), 4, "layers")
     lines = [memory.TagLine(value, "offload", True, True, True, wrong)]
-    refusal = plan.addressing_refusal(lines)
-    assert refusal.startswith("the compiled step would train on wrong gradients: layers "
-                              "query_proj: addressing WRONG: read 0")
-    assert "openxla/xla #46231" in refusal and refusal.endswith(
-        f"this is jax {jax.__version__}; the bug is fixed from jax 0.11.1 on")
-    built = runtime_setup.Built(*[None] * 7, lines)
-    with pytest.raises(ConfigError, match="wrong gradients"):
-        runtime_setup.check_addressing(built)
+    (problem,) = plan.addressing_problems(lines)
+    assert problem.startswith("layers query_proj: addressing WRONG: read 0")
+    assert "openxla/xla #46231" in problem and plan.placement_lines(lines)[-1] == problem
     (unverified,) = addressing.prove(hand_written(trip=""))
-    runtime_setup.check_addressing(runtime_setup.Built(*[None] * 7, [memory.TagLine(
-        value, "offload", True, True, True, unverified)]))
-    assert "gradients of this run are unproven" in capsys.readouterr().err
+    lines = [memory.TagLine(value, "offload", True, True, True, unverified)]
+    assert plan.placement_lines(lines)[-1] == ("layers query_proj: addressing CANNOT VERIFY: "
+                                               "loop bwd has no known trip count")
+
+
+def _reads_walking_forward(policy, weights, x):
+    """The probe's gradient as a jax that reads each offloaded layer's activation back from
+    another layer would give it: the layers' gradients in the wrong order."""
+    got = runtime_placement._probe_gradient(None, weights, x)
+    return got if policy is None else got[::-1]
+
+
+def test_a_gpu_run_refuses_a_jax_that_reads_the_wrong_bytes(monkeypatch):
+    """What train.py does between compiling and step 1 on GPUs when the run offloads
+    (runtime/setup.py's check_host_reads): runtime/placement.py's probe compares a scan's
+    gradient with one offloaded tag against the gradient kept on the device, and a jax that
+    fails it stops the run in one line naming the XLA issue and the first fixed jax. The
+    probe passes here (a CPU keeps the offloaded value where it is) and fails on gradients
+    read back in the wrong layer order. Where nothing is offloaded, on compile-only GPUs (no
+    step runs there) and on a CPU, no probe runs."""
+    assert runtime_placement.host_reads_in_order()
+    assert not runtime_placement.host_reads_in_order(_reads_walking_forward)
+    value = Tagged("query_proj", (256, 512), jnp.dtype(jnp.float32), 4, "layers")
+    gpu = Target("gpu", (9, 0), ("an H200",))
+    offloaded = {"query_proj": [value]}
+
+    def built(target, offloaded):
+        return runtime_setup.Built(target, None, None, None, 0.0, offloaded)
+
+    monkeypatch.setattr(runtime_placement, "host_reads_in_order", lambda: False)
+    with pytest.raises(ConfigError, match="wrong layers") as refused:
+        runtime_setup.check_host_reads(built(gpu, offloaded))
+    assert "openxla/xla #46231" in str(refused.value) and "jax 0.11.1" in str(refused.value)
+    monkeypatch.setattr(runtime_placement, "host_reads_in_order",
+                        lambda: pytest.fail("the probe ran"))
+    for target, moved in [(gpu, {}), (Target("gpu", (9, 0), ("an H200",), True), offloaded),
+                          (Target("cpu", None, ("a CPU",)), offloaded)]:
+        runtime_setup.check_host_reads(built(target, moved))

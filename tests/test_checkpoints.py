@@ -71,7 +71,12 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     whole, resumed, out = run_and_resume("llama405b-offload", [], tmp_path / "runs", capsys)
     assert "PROXY" in out and "405,853,388,800 parameters" in out
     assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
-    assert "x 126 layers = 70.9 GiB in host memory" in out  # the full-scale placement list
+    # Where the full-scale plan and placement list are (tests/test_study.py checks them), and
+    # what this run's own program offloads: Q, K and V, kept on the device by a CPU.
+    assert ("405,853,388,800 parameters; its memory plan and GPU program: python -m study "
+            "plan|compile llama405b-offload") in out
+    assert "offloaded, per layer and device, in this run's compiled program:" in out
+    assert out.count("device memory: this backend drops host placements") == 3
     assert ("NVFP4 values (16x16 tiles) for every GEMM of the layer matrices, multiplied in the "
             "compute dtype" in out)
     assert f"checkpoint  {whole / 'checkpoints' / '4'} (complete)" in out
@@ -89,7 +94,8 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     for devices, mesh in ((4, ["mesh.fsdp=4"]), (8, ["mesh.data=2", "mesh.fsdp=4"])):
         target = dataclasses.replace(trainer_target.this_machine(), devices=jax.devices()[:devices])
         setup = runtime_setup.resolve("llama405b-offload", [*SMALL, *mesh], target.devices)
-        state, step = runtime_setup.start_state(dataclasses.replace(setup, resume=source), target)
+        state, step = runtime_setup.start_state(dataclasses.replace(setup, resume=source), target,
+                                                runtime_setup.layout(setup, target))
         assert step == 4 and int(state["step"]) == 4
         assert state["params"]["embed"].sharding.mesh.devices.size == devices
         assert_bit_identical(jax.tree.map(np.asarray, state["params"]), final)

@@ -14,6 +14,8 @@ import pytest
 import configs
 import train
 from conftest import SMALL, run_cli
+from study import cli as study_cli
+from study.__main__ import main as study_main
 
 
 def _corrupt_checkpoint(tmp_path: Path) -> str:
@@ -35,9 +37,11 @@ BAD_INPUT = {
     "sequence past RoPE table": ["llama405b-offload", "seq=200000"],
     "batch not divisible": ["llama405b-offload", "global_batch=12"],
     "mesh does not cover devices": ["llama405b-offload", "mesh.fsdp=3"],
-    "unknown tag": ["llama405b-offload", "policy.qkv_proj=offload"],
-    "bad placement": ["llama405b-offload", "policy.query_proj=disk"],
-    "unknown preset": ["llama405b-offload", "policy=everything"],
+    "unknown tag": ["llama405b-offload", "placement.qkv_proj=offload"],
+    "bad placement": ["llama405b-offload", "placement.query_proj=disk"],
+    "unknown preset": ["llama405b-offload", "preset=everything"],
+    "placement without a preset": ["llama405b-offload", "preset=none",
+                                   "placement.query_proj=offload"],
     "full scale on a CPU": ["llama405b-offload", "scale=full"],
     "bad dtype": ["llama405b-offload", "compute_dtype=int8"],
     "missing token file": ["llama405b-offload", "data.path=/nonexistent/tokens.bin"],
@@ -51,7 +55,7 @@ BAD_INPUT = {
     "no dense layer": ["deepseek671b-offload", "model.n_dense_layers=0"],
     "v wider than q/k": ["deepseek671b-offload", "model.v_head_dim=64"],
     "bad yarn": ["deepseek671b-offload", "model.rope_scaling.beta_slow=0"],
-    "policy for a missing scan": ["llama405b-offload", "policy.moe_layers.mla_q=offload"],
+    "placement for a missing scan": ["llama405b-offload", "placement.moe_layers.mla_q=offload"],
     "wrong family's checkpoint": ["deepseek671b-offload", "init_from=tests/fixtures/llama_gqa"],
     "width NVFP4 cannot block": ["llama405b-offload", "model.d_ff=1000"],
     "unknown NVFP4 tiles": ["llama405b-offload", "quant_tiles=8x8"],
@@ -61,8 +65,6 @@ BAD_INPUT = {
     "expert axis on a dense model": ["llama405b-offload", "mesh.expert=2", "mesh.fsdp=4"],
     "expert axis not dividing the devices": ["deepseek671b-offload", "mesh.expert=3"],
     "expert axis below one": ["deepseek671b-offload", "mesh.expert=0"],
-    "expert axis below one, planned": ["deepseek671b-offload", "--plan", "mesh.expert=0"],
-    "negative expert axis, compiled": ["deepseek671b-offload", "--compile", "mesh.expert=-8"],
     "negative expert capacity": ["deepseek671b-offload", "expert_capacity=-1"],
     "negative seed": ["llama405b-offload", "seed=-1"],
     "seed past numpy's range": ["llama405b-offload", f"seed={2**64}"],
@@ -76,6 +78,7 @@ BAD_INPUT = {
     # Words and flags the command line does not use:
     "a stray word": ["llama405b-offload", "offload"],
     "an unknown flag": ["llama405b-offload", "--plann"],
+    "a mode of the study tools": ["llama405b-offload", "--plan"],
     "two modes": ["llama405b-offload", "--plan", "--compile"],
     "an unknown first flag": ["--verbose"],
     "--list with more": ["--list", "llama405b-offload"],
@@ -89,6 +92,43 @@ def test_bad_input_is_one_line_and_status_2(args, tmp_path, capsys):
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())  # stopped before any run folder was made
+
+
+# The study tools' command line (python -m study MODE EXPERIMENT ...): the same rule.
+STUDY_BAD_INPUT = {
+    "no mode": [],
+    "unknown mode": ["train", "llama405b-offload"],
+    "no experiment": ["plan"],
+    "a flag for an experiment": ["plan", "--list"],
+    "unknown experiment": ["compile", "llama9b"],
+    "not key=value": ["plan", "llama405b-offload", "steps"],
+    "a flag after the experiment": ["plan", "llama405b-offload", "--compile"],
+    "unknown tag": ["plan", "llama405b-offload", "placement.qkv_proj=offload"],
+    "expert axis below one, planned": ["plan", "deepseek671b-offload", "mesh.expert=0"],
+    "negative expert axis, compiled": ["compile", "deepseek671b-offload", "mesh.expert=-8"],
+    "unknown search option": ["search", "llama405b-offload", "search.nope=1"],
+}
+
+
+@pytest.mark.parametrize("args", STUDY_BAD_INPUT.values(), ids=STUDY_BAD_INPUT.keys())
+def test_bad_study_input_is_one_line_and_status_2(args, tmp_path, capsys):
+    code = study_main([*args, f"out_dir={tmp_path}"] if args[1:] else args)
+    out, err = capsys.readouterr()
+    assert code == 2
+    if args:
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+    else:  # the usage, as train.py prints it with no arguments
+        assert err == "" and out.startswith("The study tools")
+    assert not list(tmp_path.iterdir())  # stopped before any run folder was made
+
+
+@pytest.mark.parametrize("flag, mode", [("--plan", "plan"), ("--compile", "compile"),
+                                        ("--search", "search")])
+def test_the_study_modes_of_train_py_say_where_they_went(flag, mode, tmp_path, capsys):
+    code, out, err = run_cli(["llama405b-offload", flag, "steps=2"], tmp_path, capsys)
+    assert code == 2 and out == "" and err == (
+        f"error: {flag} is a study tool now: python -m study {mode} llama405b-offload "
+        "[key=value ...]\n")
 
 
 def _numeric_fields(cls, prefix: str = ""):
@@ -187,7 +227,7 @@ def test_each_run_field_at_the_edge_of_its_range_is_taken(key):
 
 
 def test_output_folder_is_checked_before_compiling(tmp_path, capsys, monkeypatch):
-    """--compile and --search (its picture) write into out_dir: one that is a file, or lies
+    """compile and search (its picture) write into out_dir: one that is a file, or lies
     under one, is one line and exit status 2 before anything is traced or compiled, and the
     file is left as it was."""
     a_file = tmp_path / "runs"
@@ -196,12 +236,12 @@ def test_output_folder_is_checked_before_compiling(tmp_path, capsys, monkeypatch
     def never(*args, **kwargs):
         raise AssertionError("compiled or searched before out_dir was checked")
 
-    for name in ("build", "compile_only"):
-        monkeypatch.setattr(train, name, never)
-    monkeypatch.setattr(train.search_report, "run_search", never)
-    for mode in ("--compile", "--search"):
+    for name in ("compile_row", "compile_only"):
+        monkeypatch.setattr(study_cli, name, never)
+    monkeypatch.setattr(study_cli.search_report, "run_search", never)
+    for mode in ("compile", "search"):
         for out_dir in (a_file, a_file / "sub"):
-            code = train.main(["llama405b-offload", mode, f"out_dir={out_dir}"])
+            code = study_main([mode, "llama405b-offload", f"out_dir={out_dir}"])
             err = capsys.readouterr().err
             assert code == 2 and err == (f"error: out_dir={out_dir}: {a_file} is a file, not a "
                                          "folder\n")
@@ -209,12 +249,12 @@ def test_output_folder_is_checked_before_compiling(tmp_path, capsys, monkeypatch
 
 
 def _plan(device: str, capsys) -> list[str]:
-    assert train.main(["llama405b-offload", "--plan", f"device={device}"]) == 0
+    assert study_main(["plan", "llama405b-offload", f"device={device}"]) == 0
     return capsys.readouterr().out.splitlines()
 
 
 def test_plan_says_whether_it_fits_as_compile_does(capsys):
-    """The plan's verdict in --compile's words: FITS on GB200s (well inside JAX's pool),
+    """The plan's verdict in the study compile's words: FITS on GB200s (well inside JAX's pool),
     DOES NOT FIT on H100s (well past it)."""
     fits = [line for line in _plan("gb200", capsys) if "FIT" in line]
     assert len(fits) == 1 and fits[0].startswith("FITS: ") and "planned (estimate) of" in fits[0]
@@ -295,26 +335,27 @@ def test_compare_runs_each_row_into_one_table(tmp_path, capsys, monkeypatch):
     assert (folder / "compare.md").read_text() in out
 
 
-def test_a_comparison_plans_and_compiles_each_of_its_rows(monkeypatch):
+def test_a_comparison_plans_compiles_and_searches_each_of_its_rows(monkeypatch):
     shown = []
-    for flag in ("plan", "compile"):
-        monkeypatch.setitem(train.MODES, f"--{flag}", lambda name, args: shown.append(name))
-        assert train.main(["llama405b-compare", f"--{flag}", "steps=2"]) == 0
-    assert shown == list(configs.COMPARISONS["llama405b-compare"]) * 2
+    for mode in ("plan", "compile", "search"):
+        monkeypatch.setattr(study_cli, mode, lambda name, args: shown.append((name, args)))
+        assert study_main([mode, "llama405b-compare", "steps=2"]) == 0
+    assert shown == [(name, ["steps=2"])
+                     for name in configs.COMPARISONS["llama405b-compare"]] * 3
 
 
 def test_plan_command_rejects_bad_input(capsys):
-    assert train.main(["llama405b-offload", "--plan", "policy.nothing=offload"]) == 2
-    assert capsys.readouterr().err.startswith("error: policy.nothing")
-    assert train.main(["llama405b-offload", "--plan", "model.d_ff=1000"]) == 2
+    assert study_main(["plan", "llama405b-offload", "placement.nothing=offload"]) == 2
+    assert capsys.readouterr().err.startswith("error: placement.nothing")
+    assert study_main(["plan", "llama405b-offload", "model.d_ff=1000"]) == 2
     assert capsys.readouterr().err.startswith("error: quant=nvfp4: NVFP4 needs axis")
 
 
 def test_bad_search_option_is_one_line_and_status_2(capsys):
-    assert train.main(["llama405b-offload", "--search", "search.top=many"]) == 2
+    assert study_main(["search", "llama405b-offload", "search.top=many"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "search.top" in err[0]
-    assert train.main(["llama405b-offload", "--search", "search.nope=1"]) == 2
+    assert study_main(["search", "llama405b-offload", "search.nope=1"]) == 2
 
 
 def test_overrides_are_typed_by_their_field():
@@ -323,7 +364,7 @@ def test_overrides_are_typed_by_their_field():
     model, run = configs.apply_overrides(experiment.model, experiment.run, {
         "steps": "7", "profile": "true", "optimizer.lr": "0.5", "mesh.fsdp": "4",
         "xla_flags.xla_gpu_enable_latency_hiding_scheduler": "false",
-        "policy.layers.mlpwo": "offload", "model.rope_scaling": "none"})
+        "placement.layers.mlpwo": "offload", "model.rope_scaling": "none"})
     assert (run.steps, run.profile, run.optimizer.lr, run.mesh.fsdp) == (7, True, 0.5, 4)
     assert run.xla_flags["xla_gpu_enable_latency_hiding_scheduler"] == "false"
-    assert run.placements == {"layers.mlpwo": "offload"} and model.rope_scaling is None
+    assert run.placement == {"layers.mlpwo": "offload"} and model.rope_scaling is None

@@ -1,5 +1,5 @@
 """Every GEMM of a layer matrix in NVFP4 (Transformer Engine's recipe, model/fp4.py's
-`fp4_matmul`): stochastic rounding, the Hadamard transform, 16x16 tiles, and the layer's
+`matmul`): stochastic rounding, the Hadamard transform, 16x16 tiles, and the layer's
 output and gradients against float64 products of reference-quantized operands
 (tests/nvfp4_reference.py, written from the format's description)."""
 
@@ -14,6 +14,7 @@ import nvfp4_reference as ref
 
 from model import fp4, quant
 
+FP4 = quant.Quantization("dequantize")  # every GEMM in FP4, 16x16 weight tiles
 round_stochastic = jax.jit(quant.round_stochastic)
 quantize = jax.jit(quant.quantize, static_argnums=(1, 2))
 
@@ -144,7 +145,7 @@ def reference_layer(x, w, dy, key):
 
 @pytest.mark.parametrize("m, k, n", [(64, 96, 48), (128, 32, 80)])
 def test_the_fp4_layer_is_float64_on_reference_quantized_operands(m, k, n):
-    """y, dx and dw of `fp4_matmul` (the dequantize path, f32) equal the float64 products of
+    """y, dx and dw of `fp4.matmul` (the dequantize path, f32) equal the float64 products of
     the reference-quantized operands to f32 accumulation; and their error against the exact
     float64 layer is the quantization's, within its bound: per element, what the operands'
     errors can add (|dq - d| |w| + |dq| |wq - w| for dx; the rotated operands for dw)."""
@@ -152,7 +153,7 @@ def test_the_fp4_layer_is_float64_on_reference_quantized_operands(m, k, n):
     x, w, dy = dyadic(rng, (m, k)), rng.standard_normal((k, n)).astype(np.float32), dyadic(
         rng, (m, n))
     key = jax.random.key(7)
-    y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, key, "dequantize"), x, w)
+    y, vjp = jax.vjp(lambda x, w: fp4.matmul(x, w, key, FP4), x, w)
     dx, dw = vjp(jnp.asarray(dy))
     want_y, want_dx, want_dw, operands = reference_layer(x, w, dy, key)
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
@@ -179,8 +180,8 @@ def test_the_dgrad_is_unbiased_over_keys():
 
     @jax.jit
     def dgrad(key):
-        return jax.vjp(lambda x: fp4.fp4_matmul(x, jnp.asarray(w, jnp.float32), key,
-                                                  "dequantize"), x)[1](jnp.asarray(dy))[0]
+        return jax.vjp(lambda x: fp4.matmul(x, jnp.asarray(w, jnp.float32), key, FP4),
+                       x)[1](jnp.asarray(dy))[0]
 
     grads = np.stack([as64(dgrad(k)) for k in jax.random.split(jax.random.key(8), 256)])
     one = np.linalg.norm(grads[0] - expected)
@@ -198,15 +199,14 @@ def test_fp4_einsum_takes_the_models_subscripts():
     for subscripts, x_shape, w_shape in cases:
         x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
         x, w = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
-        got = fp4.fp4_einsum(subscripts, x, w, key, "dequantize")
+        got = fp4.einsum(subscripts, x, w, key, FP4)
         k = int(np.prod(w_shape[:len(subscripts.split(",")[0]) - 2]))
-        flat = fp4.fp4_matmul(x.reshape(16, k), w.reshape(k, -1), key, "dequantize")
+        flat = fp4.matmul(x.reshape(16, k), w.reshape(k, -1), key, FP4)
         np.testing.assert_array_equal(got.reshape(16, -1), flat)
     with pytest.raises(ValueError, match="trailing letters"):
-        fp4.fp4_einsum("btd,nd->btn", jnp.ones((2, 8, 32)), jnp.ones((4, 32)), key,
-                         "dequantize")
+        fp4.einsum("btd,nd->btn", jnp.ones((2, 8, 32)), jnp.ones((4, 32)), key, FP4)
     with pytest.raises(quant.QuantError, match="blocks of 16"):
-        fp4.fp4_matmul(jnp.ones((24, 32)), jnp.ones((32, 16)), key, "dequantize")
+        fp4.matmul(jnp.ones((24, 32)), jnp.ones((32, 16)), key, FP4)
 
 
 def test_the_scaled_path_is_the_dequantize_path_on_cpu():
@@ -216,10 +216,27 @@ def test_the_scaled_path_is_the_dequantize_path_on_cpu():
     x, w = rng.standard_normal((64, 96)), rng.standard_normal((96, 48))
     x, w = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
     dy = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
-    key = jax.random.key(3)
     outs = []
     for path in ("scaled", "dequantize"):
-        y, vjp = jax.vjp(partial(fp4.fp4_matmul, key=key, path=path), x, w)
+        y, vjp = jax.vjp(partial(fp4.matmul, key=jax.random.key(3),
+                                 recipe=quant.Quantization(path)), x, w)
         outs.append((y, *vjp(dy)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_a_bf16_backward_is_the_plain_gradient_of_the_unquantized_operands(two_d):
+    """quant_backward=bf16 (JAX's own NVFP4 recipe): the forward on quantized x and w, the
+    gradients those of x w in full, as if nothing were quantized (straight through)."""
+    rng = np.random.default_rng(10)
+    x, w = dyadic(rng, (64, 96)), rng.standard_normal((96, 48)).astype(np.float32)
+    dy = rng.standard_normal((64, 48)).astype(np.float32)
+    recipe = quant.Quantization("dequantize", two_d, "bf16")
+    y, vjp = jax.vjp(partial(fp4.matmul, key=jax.random.key(0), recipe=recipe), x, w)
+    dx, dw = vjp(jnp.asarray(dy))
+    xq = ref.dequantize(*ref.encode(x.astype(np.float64), 1), 1)
+    wq = ref.dequantize(*ref.encode(w.astype(np.float64), 0, two_d), 0)
+    np.testing.assert_allclose(as64(y), xq @ wq, rtol=0, atol=2e-6 * np.abs(xq @ wq).max())
+    for got, want in ((dx, dy @ w.T.astype(np.float64)), (dw, x.T.astype(np.float64) @ dy)):
+        np.testing.assert_allclose(as64(got), want, rtol=0, atol=2e-6 * np.abs(want).max())

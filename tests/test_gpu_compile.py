@@ -15,19 +15,21 @@ import jax.numpy as jnp
 import pytest
 
 import configs
-import train
-from analysis import addressing, hlo, memory, predicted, replay, trace
-from analysis.hlo import parse_module
-from analysis.traced import TracedStep
-from configs.gpus import GPUS
+from study import addressing, hlo, predicted, replay
+from study.hlo import parse_module
+from study.traced_step import TracedStep
+from study.compile_only import DEVICELESS, compile_only, kernel_checks, pool_bytes
+from study.compiled import CompiledRow, compile_row
+from study.gpus import GPUS
 from configs import PIPELINED
 from model import common
 from model.config import DeepSeekConfig
-from runtime import backend, report
+from runtime import backend, placement, report
 from runtime import setup as runtime_setup
 from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
 from test_invariances import NEVER_NEEDED
-from trainer import build, target as trainer_target
+from study.__main__ import main as study_main
+from trainer import program, target as trainer_target
 
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,23 +60,24 @@ IN_HOST_MEMORY = {
                                                    "mlpwi_1")},
 }
 # The DeepSeek rows whose memory the study gives compile at full depth and must fit in it.
-# (All rows at full depth: benchmarks/compile_table.py, a few minutes here.)
+# (All rows at full depth: study/compile_table.py, a few minutes here.)
 FULL_DEPTH = {"deepseek671b-offload", "deepseek671b-offload-nolhs"}
 
 
 @functools.cache
 def gpus(name: str, count: int) -> trainer_target.Target:
-    return trainer_target.compile_only(GPUS[name], count)
+    return compile_only(GPUS[name], count)
 
 
-def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> runtime_setup.Built:
+def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> CompiledRow:
     """What `python train.py NAME ...` does on the experiment's own GPUs (or `device`s) up to
-    its first step: resolve against the devices there, then build."""
+    its first step: resolve against the devices there, then build; with the full-scale plan
+    and this run's placement list read off the compiled program (study/compiled.py)."""
     run = configs.get(name).run
     target = gpus(device or run.device, run.mesh.devices)
     setup = runtime_setup.resolve(name, overrides, target.devices)
     assert setup.scale == "full"
-    return runtime_setup.build(setup, target)
+    return compile_row(setup, target)
 
 
 def custom_call_operands(hlo: str, target: str) -> list[list[tuple[int, ...]]]:
@@ -113,7 +116,7 @@ def _body(loop) -> str:
 
 def layer_loops(module) -> list[collections.Counter]:
     """Per while loop that runs block-scaled dots (a layer scan, forward or backward): its
-    FP4 GEMMs by the named scope of fp4_matmul (fp4_fprop / fp4_dgrad / fp4_wgrad)."""
+    FP4 GEMMs by the named scope of fp4.matmul (fp4_fprop / fp4_dgrad / fp4_wgrad)."""
     loops = []
     for computation in module.computations.values():
         for loop in (i for i in computation.instructions if i.opcode == "while"):
@@ -154,14 +157,14 @@ def test_the_experiment_table_is_covered():
 
 @pytest.mark.parametrize("name", sorted(IN_HOST_MEMORY))
 def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
-    """A GPU run's own path up to its first step (the full-scale plan, traced with kernels
-    every backend has, included), on compile-only GPUs: full width, real sequence and micro
-    batch, the row's policy, XLA flags, NVFP4 setting and expert parallelism, gradients and
-    optimizer included, for the row's GPU (GB200: Blackwell) over its real mesh. cuDNN
-    attention, FP4 GEMMs where NVFP4 is on, and exactly the study's tensors in host memory,
-    as many bytes as the plan says, each read back from the bytes it was written to. Where
-    the study measured the row's memory, the whole model compiles, within it, and the static
-    plan lands within 5% of the compiled figure."""
+    """A GPU run's own path up to its first step, on compile-only GPUs, beside the study's
+    full-scale plan (traced with kernels every backend has) and placement list: full width,
+    real sequence and micro batch, the row's placement, XLA flags, NVFP4 setting and expert
+    parallelism, gradients and optimizer included, for the row's GPU (GB200: Blackwell) over
+    its real mesh. cuDNN attention, FP4 GEMMs where NVFP4 is on, and exactly the study's
+    tensors in host memory, as many bytes as the plan says, each read back from the bytes it
+    was written to. Where the study measured the row's memory, the whole model compiles,
+    within it, and the static plan lands within 5% of the compiled figure."""
     experiment = configs.get(name)
     family = "deepseek" if isinstance(experiment.model, DeepSeekConfig) else "llama"
     built = built_as_a_gpu_run(name, [] if name in FULL_DEPTH else FEWER_LAYERS[family])
@@ -224,41 +227,50 @@ def assert_every_gemm_of_a_layer_is_fp4(hlo_text: str, matrices: dict, layers: i
                 if dtype in ("bf16", "f16", "f32") and shape in shapes]
 
 
-def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
-    """What a run on 8 H200s does before its first step, on compile-only devices: the
-    full-scale plan (traced with kernels every backend has, so it needs no device), the step
-    compiled with the run's own kernels and flags, its placement list read off the compiled
-    program, and its header. With one layer, JAX's export still annotates Q/K/V for pinned
-    host memory while XLA keeps them on the device: the list says so."""
+def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
+    """What a run on 8 H200s does before its first step, on compile-only devices: the step
+    compiled with the run's own kernels and flags, beside the full-scale plan (traced with
+    kernels every backend has, so it needs no device) and its placement list read off the
+    compiled program (study/compiled.py), and its header. With one layer, JAX's export still
+    annotates Q/K/V for pinned host memory while XLA keeps them on the device: the list and
+    the header say so."""
     overrides = ["model.n_layers=1", f"out_dir={tmp_path}"]
-    built = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
-    assert built.full_plan.host_activations == 32 * 192 * 2**20  # the 32-layer model's Q/K/V
-    asked = {line.value.tag for line in built.run_tags if line.offloaded}
+    row = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
+    built = row.built
+    assert row.full_plan.host_activations == 32 * 192 * 2**20  # the 32-layer model's Q/K/V
+    asked = {line.value.tag for line in row.run_tags if line.offloaded}
     assert asked == {tag for _, tag in LLAMA_QKV}
-    assert not any(line.in_host_memory for line in built.run_tags)
-    assert memory.CompiledMemory.of(built.compiled).host == 0
+    assert not any(line.in_host_memory for line in row.run_tags)
+    assert placement.CompiledMemory.of(built.compiled).host == 0
+    assert {tag for tag in built.offloaded} == asked  # the traced step's own offloads
     setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
+    # A real H200's pool (XLA's allocator limit) is what study/compile_only.py plans against.
+    monkeypatch.setattr(trainer_target.Target, "pool_bytes",
+                        lambda self: pool_bytes(GPUS["h200"]))
     report.print_header(setup, built, 16, 1e12, report.RunDir(tmp_path, tmp_path / "ckpt"), 1)
     out = capsys.readouterr().out
     assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out
     assert "attention cudnn" in out
-    assert "checked on the compiled program's host buffers" in out
-    assert re.search(r"the step needs [\d.]+ GiB of JAX's 133.9 GiB pool per GPU "
-                     r"\(XLA_CLIENT_MEM_FRACTION=0.95\) and 0.0 GiB of pinned host memory", out)
-    assert out.count("NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it") == 3
-    assert "compile-only devices also set xla_gpu_autotune_level=0" in out
+    assert "python -m study plan|compile llama8b-offload" in out
+    assert re.search(r"^memory +[\d.]+ GiB per device of JAX's 133.9 GiB pool "
+                     r"\(XLA_CLIENT_MEM_FRACTION=0.95\), 0.00 GiB in pinned host memory "
+                     r"\(compiled\)$", out, re.M)
+    assert "offloaded, per layer and device, in this run's compiled program:" in out
+    assert out.count("NOT in host memory in the compiled program") == 3
 
-    # trainer/target.py's DEVICELESS (XLA's autotuning off where no device times kernels):
+    # study/compile_only.py's DEVICELESS (XLA's autotuning off where no device times kernels):
     # the same instructions in the same order, memory and host buffers as XLA's default
     # compile of the same step; only kernel configs differ.
     rules, optimizer = runtime_setup.layout(setup, built.target)
-    lowered = build.make_step(setup.model, setup.run, setup.tables, rules, optimizer,
-                              built.target).lower(
-        build.abstract_state(setup.model, setup.run, rules, optimizer),
-        build.abstract_batch(setup.run, rules, len(built.target.devices)))
+    with kernel_checks(built.target):
+        lowered = program.make_step(setup.model, setup.run, setup.placement, rules, optimizer,
+                                    built.target).lower(
+            program.abstract_state(setup.model, setup.run, rules, optimizer),
+            program.abstract_batch(setup.run, rules, len(built.target.devices)))
     options = trainer_target.compiler_options(setup.run, built.target)
-    default = lowered.compile({**options, "xla_gpu_autotune_level": 4})  # XLA's own default
+    default = lowered.compile({**options, **DEVICELESS,
+                               "xla_gpu_autotune_level": 4})  # XLA's own default
 
     def instructions(compiled):
         module = hlo.parse_module(compiled.as_text())
@@ -266,7 +278,7 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys):
                 for c in module.computations.values()}
 
     assert instructions(built.compiled) == instructions(default)
-    assert memory.CompiledMemory.of(built.compiled) == memory.CompiledMemory.of(default)
+    assert placement.CompiledMemory.of(built.compiled) == placement.CompiledMemory.of(default)
 
 
 def test_sorted_experts_compile_for_a_gpu():
@@ -278,8 +290,8 @@ def test_sorted_experts_compile_for_a_gpu():
     setup = runtime_setup.resolve("deepseek671b-offload", ["scale=proxy", "compute_dtype=bfloat16"],
                           target.devices)
     assert setup.run.mesh.expert == 1
-    built = runtime_setup.build(setup, target)
-    hlo = built.compiled.as_text()
+    built = compile_row(setup, target)
+    hlo = built.hlo
     assert "ragged_dot" in hlo and custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
     assert {(line.value.scan, line.value.tag) for line in built.run_tags
             if line.in_host_memory} == {t for t in DEEPSEEK if t[0] == "moe_layers"}
@@ -289,11 +301,11 @@ def test_cudnn_takes_mla_attention_unpadded():
     """The cuDNN path traced for a Hopper target: q/k 192 wide, v 128, no pad of v."""
     q = jax.ShapeDtypeStruct((1, 256, 4, 192), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
-    with trainer_target.kernel_checks(gpus("h200", 8)):
+    with kernel_checks(gpus("h200", 8)):
         jaxpr = jax.make_jaxpr(lambda q, k, v: common.causal_attention(
             q, k, v, implementation="cudnn"))(q, q, v)
     assert jaxpr.out_avals[0].shape == (1, 256, 4, 128)
-    assert "pad" not in {eqn.primitive.name for eqn, *_ in trace._walk(jaxpr.jaxpr)}
+    assert "pad" not in {eqn.primitive.name for eqn, *_ in placement.walk(jaxpr.jaxpr)}
 
 
 def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
@@ -315,10 +327,11 @@ def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
 
 
 def test_compile_command_prints_compiled_memory_beside_the_plan(capsys, tmp_path):
-    assert train.main(["llama8b-offload", "--compile", "model.n_layers=2",
+    assert study_main(["compile", "llama8b-offload", "model.n_layers=2",
                        f"out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "for 8 x NVIDIA GB200, compile-only" in out and "topology 1x2x4" in out
+    assert re.search(r"compile-only devices also set [^)]*xla_gpu_autotune_level=0", out)
     assert out.count("pinned host, stacked in memory space S(5): read back layer 1 first: "
                      "checked") == 3
     assert re.search(r"device total\s+[\d.]+ GiB\s+[\d.]+ GiB", out)
@@ -351,9 +364,9 @@ def test_xla_rematerialization_warning_is_explained(capfd):
 
 
 def test_compile_command_rejects_bad_input(capsys):
-    assert train.main(["llama405b-offload", "--compile", "device=a100"]) == 2
+    assert study_main(["compile", "llama405b-offload", "device=a100"]) == 2
     assert capsys.readouterr().err.startswith("error: device='a100': choose one of")
-    assert train.main(["llama405b-offload", "--compile", "mesh.fsdp=-1"]) == 2
+    assert study_main(["compile", "llama405b-offload", "mesh.fsdp=-1"]) == 2
     assert "set mesh.fsdp" in capsys.readouterr().err
 
 
@@ -406,7 +419,7 @@ def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():
     overrides = ["model.n_layers=2", "quant=none", "attention=xla"]
     built = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
     result = replay.replay(hlo.parse_module(built.compiled.as_text()), GPUS["h200"], 8)
-    setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
-    traced = TracedStep(setup.model, setup.run, (1, 8, 1)).work(setup.tables)
+    setup = built.setup
+    traced = TracedStep(setup.model, setup.run, (1, 8, 1)).work(setup.placement)
     assert sum(result.flops.values()) == pytest.approx(sum(traced.flops.values()), rel=1e-12)
     assert 0 < result.gemm_s < result.step_s

@@ -1,4 +1,4 @@
-"""optimizer_state=host (trainer/host_state.py): the same training to the bit as the state on
+"""optimizer_state=host (offload/optimizer_state.py): the same training to the bit as the state on
 the device, across a checkpoint; the plan, the search and the compiled GPU program that move
 its bytes to host; bad input."""
 
@@ -8,13 +8,14 @@ import jax
 import pytest
 
 import configs
-from analysis import memory, plan, search
-from analysis.search_report import placement_text
+from offload import optimizer_state
+from study import plan, search
+from study.search_report import placement_text
 from model import common, families
 from runtime import setup as runtime_setup
 from test_checkpoints import SMALL, assert_bit_identical, cli, losses, saved_params
 from test_gpu_compile import built_as_a_gpu_run
-from trainer import build, target as trainer_target
+from trainer import program, target as trainer_target
 
 GiB = 2**30
 ROWS = {"llama405b-offload": [], "deepseek671b-offload": ["mesh.expert=4"]}
@@ -47,7 +48,7 @@ def test_the_state_on_host_trains_to_the_bit_as_on_the_device_across_a_resume(
     target = trainer_target.this_machine()
     state, step = runtime_setup.start_state(
         dataclasses.replace(setup, resume=runtime_setup.checkpoints.find(str(resumed), "", "")),
-        target)
+        target, runtime_setup.layout(setup, target))
     kinds = {(x.ndim > 0, x.sharding.memory_kind) for x in jax.tree.leaves(state["opt_state"])}
     assert step == 4 and kinds == {(True, "pinned_host"), (False, "device")}
 
@@ -57,7 +58,7 @@ def test_70b_on_one_h200_host_fits_only_with_the_state_on_host():
     than 2% of the pool; with the moments on host the plan fits, and the host line holds them
     twice."""
     experiment = configs.get("llama70b-8xh200")
-    tables = runtime_setup.placement_tables(experiment.model, experiment.run)
+    tables = runtime_setup.resolve_placement(experiment.model, experiment.run)
     on_host = plan.full_scale(experiment, tables)
     device_run = dataclasses.replace(experiment.run, optimizer_state="device")
     on_device = plan.full_scale(dataclasses.replace(experiment, run=device_run), tables)
@@ -75,18 +76,19 @@ def test_the_compiled_gpu_program_writes_the_moments_to_host():
     """Compile-only H200s: the step's outputs in host memory are exactly the moments (its
     arguments arrive on the device there: no memory kinds), the activations still offloaded
     and read back right, and the figures the report gives move the moments off the device."""
-    built = built_as_a_gpu_run("llama70b-8xh200", ["model.n_layers=2"])
+    row = built_as_a_gpu_run("llama70b-8xh200", ["model.n_layers=2"])
+    built, setup = row.built, row.setup
     stats = built.compiled.memory_analysis()
-    setup = runtime_setup.resolve("llama70b-8xh200", ["model.n_layers=2"], built.target.devices)
-    state = build.abstract_state(setup.model, setup.run, built.rules, built.optimizer)
-    moments = memory.per_device_bytes([x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
-    assert built.arrived == moments
+    state = program.abstract_state(setup.model, setup.run, built.rules, built.optimizer)
+    moments = optimizer_state.per_device_bytes(
+        [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
+    assert built.arrived == moments == optimizer_state.moment_bytes(state["opt_state"])
     assert stats.host_output_size_in_bytes == moments
     compiled = built.compiled_memory()
     assert compiled.arguments == stats.argument_size_in_bytes - moments
-    offloaded = {line.value.tag for line in built.run_tags if line.in_host_memory}
+    offloaded = {line.value.tag for line in row.run_tags if line.in_host_memory}
     assert offloaded == {"query_proj", "key_proj", "value_proj", "attention_out", "mlpwi_1"}
-    assert all(line.addressing.holds for line in built.run_tags if line.in_host_memory)
+    assert all(line.addressing.holds for line in row.run_tags if line.in_host_memory)
 
 
 def test_the_search_weighs_the_state_placement():

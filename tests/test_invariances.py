@@ -11,14 +11,14 @@ import pytest
 from jax import export
 
 import configs
-from analysis import memory, placement
-from analysis.trace import tagged_values
-from analysis.traced import TracedStep, freeze
+from study import memory, placement
+from study.jaxpr import tagged_values
+from study.traced_step import TracedStep, freeze
 from conftest import (TINY_DEEPSEEK, TINY_LLAMA, assert_trees_close, one_device_params,
                       tokens)
 from model import common, deepseek, llama
-from offload import policies
-from trainer.build import make_loss
+from offload import activations
+from trainer.program import make_loss
 from trainer.target import Target
 
 FAMILIES = {"llama": (llama, TINY_LLAMA), "deepseek": (deepseek, TINY_DEEPSEEK)}
@@ -49,8 +49,8 @@ def every_table(family) -> dict[str, dict]:
     """Placements to check: the presets, every tag on device, every tag offloaded, a mix."""
     scans = family.SCANS
     names = (["remat", "dsv3_offload", "dsv3_device"] if family is deepseek
-             else policies.presets_for(scans))
-    tables = {n: policies.placement_tables(n, {}, scans) for n in names}
+             else activations.presets_for(scans))
+    tables = {n: activations.placement(n, {}, scans) for n in names}
     tables["all_offload"] = {s: {t: "offload" for t in tags} for s, tags in scans.items()}
     if family is llama:
         tables["all_device"] = {s: {t: "device" for t in tags} for s, tags in scans.items()}
@@ -108,7 +108,7 @@ def test_the_router_bias_gets_no_gradient():
 # Under a layer scan, the down projection's output is never read by the backward pass (the
 # residual add's gradient needs neither input), so no placement of `mlpwo` changes anything.
 NEVER_NEEDED = {"mlpwo"}
-EXPORTED = {"llama": ("llama405b-offload", policies.presets_for(llama.SCANS)),
+EXPORTED = {"llama": ("llama405b-offload", activations.presets_for(llama.SCANS)),
             "deepseek": ("deepseek671b-offload", ["dsv3_offload", "dsv3_device", "remat"])}
 
 
@@ -118,7 +118,7 @@ def test_the_exported_program_offloads_exactly_the_table(name, preset):
     """At full scale (the study's mesh of 128) and as the proxy: the step exported for a GPU
     moves to host exactly the tags its table offloads that the backward pass reads."""
     family = FAMILIES[name][0]
-    tables = policies.placement_tables(preset, {}, family.SCANS)
+    tables = activations.placement(preset, {}, family.SCANS)
     wanted = {(scan, t) for scan, table in tables.items() for t, p in table.items()
               if p == "offload" and t not in NEVER_NEEDED}
     experiment = configs.get(EXPORTED[name][0])

@@ -41,7 +41,8 @@ def one_process_checkpoint(folder: Path) -> dict:
     its parameters."""
     argv = worker.RUNS["deepseek"]
     setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
-    state, _ = runtime_setup.start_state(setup, trainer_target.this_machine())
+    target = trainer_target.this_machine()
+    state, _ = runtime_setup.start_state(setup, target, runtime_setup.layout(setup, target))
     saver = checkpoints.Saver(folder, keep=1, every=1)
     saver.save(0, state, checkpoints.run_meta(0, setup, setup.run.batch(jax.device_count())))
     saver.close()
@@ -131,7 +132,9 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
             setup = runtime_setup.resolve(worker.RUNS["deepseek"][0], worker.RUNS["deepseek"][1:],
                                   jax.devices())
             setup.resume = checkpoints.find(str(run_dir), "", "")
-            state, step = runtime_setup.start_state(setup, trainer_target.this_machine())
+            target = trainer_target.this_machine()
+            state, step = runtime_setup.start_state(setup, target,
+                                                    runtime_setup.layout(setup, target))
             assert step == 2
             want = worker.flat(state["params"])
         assert sorted(got) == sorted(want)

@@ -1,6 +1,6 @@
-"""Each term of the static memory plan (analysis/memory.py) against the GPU program XLA compiles
+"""Each term of the static memory plan (study/memory.py) against the GPU program XLA compiles
 for it, in a small configuration where that term is by far the largest: compile-only GPUs, as
-`python train.py NAME --compile` builds them (tests/test_gpu_compile.py compares whole rows).
+`python -m study compile NAME` builds them (tests/test_gpu_compile.py compares whole rows).
 
 Per-layer terms are compared by what more layers add: at 8 and 16 layers, the compiled
 program's arguments, temporaries and host buffers against the plan's state, gradients,
@@ -16,20 +16,23 @@ import typing
 import jax
 import pytest
 
-from analysis import memory
+from offload.optimizer_state import per_device_bytes
 from runtime import setup as runtime_setup
+from runtime.placement import CompiledMemory
+from study import memory
+from study.compiled import compile_row
 from test_gpu_compile import gpus
-from trainer import build
+from trainer import program
 
 # Llama 3.1 8B's family, 1024 wide, a 4k vocabulary, on llama8b-offload's 8 GB200s with its
 # settings (bf16 compute, fp32 masters and moments, the loss in 8 chunks) unless overridden.
 NARROW = ["model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=3584",
           "model.vocab=4096"]
-SHORT = ["seq=128", "per_device_batch=1", "policy=remat"]  # activations of a few MiB
+SHORT = ["seq=128", "per_device_batch=1", "preset=remat"]  # activations of a few MiB
 # 4 x 8192 tokens: the MLP's up-projections to host (448 MiB a layer), the other tags the
 # backward pass reads on the device (224 MiB a layer with the layer's input).
-LONG = ["seq=8192", "per_device_batch=4", "policy=minimal", "policy.mlpwi_0=offload",
-        "policy.mlpwi_1=offload"]
+LONG = ["seq=8192", "per_device_batch=4", "preset=minimal", "placement.mlpwi_0=offload",
+        "placement.mlpwi_1=offload"]
 PER_LAYER = {
     "state over 8 devices": [*NARROW, *SHORT],
     # One device: FSDP gathers nothing, so XLA makes no copy of a stacked weight.
@@ -49,24 +52,25 @@ LM_HEAD = ("the plan has no term for the LM head's backward: in each loss chunk 
 
 class Step(typing.NamedTuple):
     plan: memory.MemoryPlan
-    compiled: memory.CompiledMemory
+    compiled: CompiledMemory
     inputs: int  # the device's arguments besides the planned state: its batch, step counts
 
 
 @functools.cache
 def compiled_step(name: str, overrides: tuple[str, ...]) -> Step:
-    """`python train.py NAME --compile OVERRIDES...`: the step at full scale on its
+    """`python -m study compile NAME OVERRIDES...`: the step at full scale on its
     compile-only GPUs, and its plan (with the tags where the compiled program put them)."""
     setup = runtime_setup.resolve(name, list(overrides), full=True)
     run = setup.run
-    built = runtime_setup.build(setup, gpus(run.device, run.mesh.devices))
-    state = build.abstract_state(setup.model, run, built.rules, built.optimizer)
-    batch = build.abstract_batch(run, built.rules, len(built.target.devices))
+    row = compile_row(setup, gpus(run.device, run.mesh.devices))
+    built = row.built
+    state = program.abstract_state(setup.model, run, built.rules, built.optimizer)
+    batch = program.abstract_batch(run, built.rules, len(built.target.devices))
     # With the moments on host, the optimizer's step counts (0-d) stay on the device.
     counts = [x for x in jax.tree.leaves(state["opt_state"])
-              if not x.ndim and built.full_plan.optimizer_on_host]
-    return Step(built.full_plan, built.compiled_memory(),
-                memory.per_device_bytes([batch, state["step"], counts]))
+              if not x.ndim and row.full_plan.optimizer_on_host]
+    return Step(row.full_plan, row.compiled_memory(),
+                per_device_bytes([batch, state["step"], counts]))
 
 
 @pytest.mark.parametrize("config, figure, term", [
@@ -100,7 +104,7 @@ WHOLE = {
     # Two of Llama 70B's layers (1.6 GiB each, gathered in bf16) over 64 devices, 256 tokens.
     "wide layers over 64 devices": ("llama70b-offload", ("model.n_layers=2", "model.vocab=4096",
                                                          "seq=256", "per_device_batch=1",
-                                                         "policy=remat")),
+                                                         "preset=remat")),
 }
 
 

@@ -1,5 +1,5 @@
 """NVFP4 numerics: bit-exact against an independent float64 encoder, the format's error bound,
-the straight-through gradient, the einsum paths and the storage size."""
+the storage size, the path each target takes, and which of a model's weights are quantized."""
 
 from functools import partial
 
@@ -18,8 +18,6 @@ from trainer import target as trainer_target
 # Jitted: the encoder's numerics must hold under XLA's compilation, not just op by op.
 quantize = jax.jit(quant.quantize, static_argnums=(1, 2))
 dequantize = jax.jit(quant.dequantize, static_argnums=1)
-fake_quantize = jax.jit(quant.fake_quantize, static_argnums=(1, 2))
-einsum = jax.jit(quant.nvfp4_einsum, static_argnames=("subscripts", "axis", "two_d", "path"))
 
 
 def as64(x) -> np.ndarray:
@@ -201,7 +199,7 @@ def test_round_trip_error_within_half_a_step(two_d):
 
 
 def relative_error(w, two_d: bool) -> float:
-    dequantized = as64(fake_quantize(w, 0, two_d))
+    dequantized = as64(dequantize(quantize(w, 0, two_d)))
     return float(np.linalg.norm(w - dequantized) / np.linalg.norm(w))
 
 
@@ -210,169 +208,6 @@ def test_relative_error_on_a_gaussian():
     blocks, tiles = relative_error(w, False), relative_error(w, True)
     assert 0.05 < blocks < 0.12 and 0.05 < tiles < 0.14
     assert blocks < tiles  # a 16x16 tile shares the amax of 16 blocks
-
-
-@pytest.mark.parametrize("dtype, two_d", [(jnp.float32, False), (jnp.bfloat16, True)])
-def test_straight_through_gradient(dtype, two_d):
-    rng = np.random.default_rng(6)
-    w = jnp.asarray(sample(rng, (32, 48), "gaussian"), dtype)
-    g = jnp.asarray(sample(rng, (32, 48), "heavy"), dtype)
-    grad = jax.jit(jax.grad(lambda w: jnp.sum(quant.fake_quantize(w, 0, two_d) * g)))(w)
-    np.testing.assert_array_equal(np.asarray(grad), np.asarray(g))
-    assert grad.dtype == dtype
-    fake = fake_quantize(w, 0, two_d)
-    assert fake.dtype == dtype
-    np.testing.assert_array_equal(fake, dequantize(quantize(w, 0, two_d), dtype))
-
-
-@pytest.mark.parametrize("subscripts, x_shape, w_shape, axis, two_d", [
-    ("btd,dnh->btnh", (2, 3, 64), (64, 4, 16), 0, False),
-    ("btnh,nhd->btd", (2, 3, 4, 32), (4, 32, 48), 1, True),
-    ("btf,fd->btd", (2, 3, 96), (96, 32), 0, True),
-])
-def test_dequantize_einsum_matches_reference(subscripts, x_shape, w_shape, axis, two_d):
-    rng = np.random.default_rng(7)
-    x, w = sample(rng, x_shape, "gaussian"), sample(rng, w_shape, "heavy")
-    out = einsum(subscripts, jnp.asarray(x), jnp.asarray(w), axis, two_d)
-    expected = np.einsum(subscripts, x.astype(np.float64),
-                         ref.dequantize(*ref.encode(w, axis, two_d), axis))
-    np.testing.assert_allclose(as64(out), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-
-
-def fake_scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type, configs):
-    """scaled_dot_general without the quantization (it has no CPU lowering): the operands
-    arrive divided by their tensor scales, with unit global scales in the configs."""
-    for config in configs:
-        assert config.mode == "nvfp4" and config.global_scale.shape == ()
-        assert config.global_scale == 1
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers,
-                               preferred_element_type=preferred_element_type)
-
-
-@pytest.mark.parametrize("subscripts, x_shape, w_shape", [
-    ("btd,dnh->btnh", (2, 3, 32), (32, 4, 8)),
-    ("btnh,nhd->btd", (2, 3, 4, 8), (4, 8, 5)),
-    ("btd,dnh->bnth", (2, 3, 32), (32, 4, 8)),
-    ("bnth,bnsh->bnts", (2, 4, 3, 16), (2, 4, 5, 16)),
-    ("bnts,bnsh->bthn", (2, 4, 3, 16), (2, 4, 16, 8)),
-])
-def test_scaled_einsum_translates_subscripts(monkeypatch, subscripts, x_shape, w_shape):
-    monkeypatch.setattr(jax.nn, "scaled_dot_general", fake_scaled_dot_general)
-    rng = np.random.default_rng(8)
-    x, w = sample(rng, x_shape, "gaussian"), sample(rng, w_shape, "gaussian")
-    out = einsum(subscripts, jnp.asarray(x), jnp.asarray(w), 0, path="scaled")
-    expected = np.einsum(subscripts, x.astype(np.float64), w.astype(np.float64))
-    np.testing.assert_allclose(as64(out), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    bf16 = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
-    assert jax.eval_shape(partial(einsum, subscripts, w=jnp.asarray(w), axis=0, path="scaled"),
-                          bf16).dtype == jnp.bfloat16
-
-
-@pytest.fixture
-def block_scaled_matmul_on_cpu(monkeypatch):
-    """JAX's block-scaled matmul custom call (no CPU lowering) replaced by its arithmetic: each
-    operand's E2M1 codes times its E4M3 block scales, then a matmul in f32. All around it
-    (JAX's quantization, global scales, straight-through backward) is JAX's own."""
-    # Reaching inside: the custom call's Python wrapper, looked up by name in this module.
-    from jax._src.cudnn import scaled_matmul_stablehlo
-
-    def matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
-        def values(codes, scales):  # [B, M, K], [B, M, K / 16]
-            blocks = codes.astype(jnp.float32).reshape(*scales.shape, -1)
-            return (blocks * scales.astype(jnp.float32)[..., None]).reshape(codes.shape)
-        return jnp.einsum("bmk,bnk->bmn", values(lhs, lhs_scales),
-                          values(rhs, rhs_scales)).astype(preferred_element_type)
-
-    monkeypatch.setattr(scaled_matmul_stablehlo, "scaled_matmul_wrapper", matmul)
-
-
-def global_scale_einsum(x, w):
-    """The FP4 product as JAX documents it: each operand's tensor scale in its config."""
-    configs = [jax.nn.get_scaled_dot_general_config(
-        "nvfp4", global_scale=jax.lax.stop_gradient(quant.tensor_scale(a))) for a in (x, w)]
-    configs.append(jax.nn.get_scaled_dot_general_config("nvfp4"))
-    return jax.nn.scaled_dot_general(x, w, (((2,), (0,)), ((), ())),
-                                     preferred_element_type=x.dtype, configs=configs)
-
-
-def test_the_fp4_path_trains_under_scan_and_checkpoint(block_scaled_matmul_on_cpu):
-    """Layers run under scan and jax.checkpoint. JAX keeps a config's global scale as a
-    constant of the traced function, so scales computed from the data cannot go there (the
-    documented call fails under both); the FP4 path scales the operands itself instead, and
-    gives the documented call's loss and gradients, computed outside scan and checkpoint.
-    Every operand's largest magnitude is a power of two times 2688 (6 x 448), so both
-    formulations compute their tensor scales and the scaled operands exactly."""
-    rng = np.random.default_rng(9)
-    x = np.clip(rng.standard_normal((2, 8, 64)), -5, 5)
-    x[:, 0, 0] = 5.25  # 2688 / 512
-    w = rng.standard_normal((3, 64, 64))
-    w = w / np.abs(w).max(axis=(1, 2), keepdims=True) * 0.65625  # 2688 / 4096 per layer
-    x, weights = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
-
-    def layer(product, h, w):  # |tanh| < 1: the pinned element is the next input's amax
-        return jnp.tanh(product(h, w)).at[:, 0, 0].set(5.25)
-
-    def scanned(product, x, weights):
-        body = jax.checkpoint(lambda h, w: (layer(product, h, w), None))
-        return jnp.sum(jnp.square(jax.lax.scan(body, x, weights)[0]))
-
-    def unrolled(x, weights):
-        for w in weights:
-            x = layer(global_scale_einsum, x, w)
-        return jnp.sum(jnp.square(x))
-
-    fp4 = partial(quant.nvfp4_einsum, "btd,de->bte", axis=0, path="scaled")
-    loss, grads = jax.jit(jax.value_and_grad(partial(scanned, fp4), argnums=(0, 1)))(x, weights)
-    expected_loss, expected = jax.jit(jax.value_and_grad(unrolled, argnums=(0, 1)))(x, weights)
-    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
-    for g, e in zip(grads, expected):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6 * np.abs(e).max())
-    with pytest.raises(jax.errors.UnexpectedTracerError):  # the scale escapes its trace
-        jax.jit(jax.grad(partial(scanned, global_scale_einsum)))(x, weights)
-
-
-def test_the_fp4_path_never_zeroes_the_gradient_of_the_largest_element(
-        block_scaled_matmul_on_cpu):
-    """With the tensor scale taken from the amax, the quantization clips nothing, so JAX's
-    straight-through rule (zero gradient past 2688 after scaling) must pass every element.
-    This amax is one where a x float32(2688 / a) rounds above 2688 (XLA computes
-    a / (1 / S_enc) that way): the largest element's gradient must survive it."""
-    amax = next(a for a in np.float32(1 + np.arange(1, 10**5) * 1e-5)
-                if np.float32(a * np.float32(2688 / a)) > 2688)
-    rng = np.random.default_rng(3)
-    x = rng.uniform(-0.9, 0.9, (4, 64)).astype(np.float32) * amax
-    x[1, 7] = amax
-    w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
-    probe = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
-
-    def loss(product, x):
-        return jnp.sum(product(x, w) * probe)
-
-    fp4 = partial(quant.nvfp4_einsum, "bd,de->be", axis=0, path="scaled")
-    got = jax.jit(jax.grad(partial(loss, fp4)))(jnp.asarray(x))
-    want = jax.grad(partial(loss, partial(jnp.einsum, "bd,de->be")))(jnp.asarray(x))
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
-def test_scaled_path_exports_for_cuda():
-    x = jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((64, 4, 32), jnp.bfloat16)
-
-    def forward(x, w):
-        return quant.nvfp4_einsum("btd,dnh->btnh", x, w, 0, path="scaled")
-
-    def loss(x, w):
-        return jnp.sum(jnp.square(forward(x, w).astype(jnp.float32)))
-
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__op$block_scaled_dot")]
-    for f in (forward, jax.value_and_grad(loss, argnums=(0, 1))):
-        try:
-            exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
-                x, w)
-        except NotImplementedError as error:
-            pytest.skip(f"this jaxlib cannot lower the block-scaled dot for cuda: {error}")
-        assert "__op$block_scaled_dot" in exported.mlir_module()
-    assert [a.shape for a in exported.out_avals] == [(), x.shape, w.shape]
 
 
 def test_nvfp4_bytes():
@@ -390,77 +225,62 @@ def test_shape_errors():
         quant.quantize(jnp.ones((32, 40)), 0, two_d=True)
     with pytest.raises(ValueError, match="2-D"):
         quant.quantize(jnp.ones((32,)), 0, two_d=True)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        quant.nvfp4_einsum("bd,dn->bn", jnp.ones((2, 40)), jnp.ones((40, 8)), 0, path="scaled")
-    with pytest.raises(ValueError, match="unknown NVFP4 einsum path"):
-        quant.nvfp4_einsum("bd,dn->bn", jnp.ones((2, 32)), jnp.ones((32, 8)), 0, path="fp4")
 
 
-@pytest.mark.parametrize("capability, tiles, backward, path", [
-    ((10, 0), "16x16", "fp4", "scaled"), ((10, 3), "16x16", "fp4", "scaled"),
-    ((9, 0), "16x16", "fp4", "dequantize"), (None, "16x16", "fp4", "dequantize"),
-    ((10, 0), "1x16", "bf16", "scaled"), ((10, 3), "1x16", "bf16", "scaled"),
-    ((10, 0), "16x16", "bf16", "dequantize"), ((9, 0), "1x16", "bf16", "dequantize"),
-    ((12, 0), "1x16", "bf16", "dequantize"), (None, "1x16", "bf16", "dequantize")])
-def test_the_fp4_path_only_on_blackwell(capability, tiles, backward, path):
+@pytest.mark.parametrize("capability, path", [
+    ((10, 0), "scaled"), ((10, 3), "scaled"), ((9, 0), "dequantize"), ((12, 0), "dequantize"),
+    (None, "dequantize")])
+def test_the_fp4_path_only_on_blackwell(capability, path):
     """The target, not the machine the step is traced on, picks the NVFP4 path: a GB200
-    target compiled on this CPU gets FP4 tensor cores, the CPU itself the accuracy path;
-    JAX's forward-only FP4 product takes 1x16 weight blocks only."""
-    run = configs.RunConfig(quant="nvfp4", quant_tiles=tiles, quant_backward=backward)
-    target = trainer_target.Target("gpu" if capability else "cpu", capability)
-    chosen = trainer_target.quantization(run, target)
-    assert (chosen.path, chosen.two_d, chosen.backward) == (path, tiles == "16x16", backward)
+    target compiled on this CPU gets FP4 tensor cores, the CPU itself the same numbers."""
+    for tiles, backward in (("16x16", "fp4"), ("1x16", "bf16"), ("16x16", "bf16")):
+        run = configs.RunConfig(quant="nvfp4", quant_tiles=tiles, quant_backward=backward)
+        target = trainer_target.Target("gpu" if capability else "cpu", capability)
+        chosen = trainer_target.quantization(run, target)
+        assert (chosen.path, chosen.two_d, chosen.backward) == (path, tiles == "16x16",
+                                                                 backward)
 
 
-# The model: every layer matrix quantized along the axis its einsum contracts, nothing else.
-LLAMA_CONTRACTED = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w_gate": 0, "w_up": 0, "w_down": 0}
-DEEPSEEK_CONTRACTED = {"wq_a": 0, "wq_b": 0, "wkv_a": 0, "wkv_b": 0, "wo": 1, "w_gate": 0,
-                       "w_up": 0, "w_down": 0}
+# The model: every layer matrix multiplied in NVFP4, contracted as its einsum says; nothing else.
+LLAMA_MATRICES = {"wq": "btd,dnh->btnh", "wk": "btd,dkh->btkh", "wv": "btd,dkh->btkh",
+                  "wo": "btnh,nhd->btd", "w_gate": "btd,df->btf", "w_up": "btd,df->btf",
+                  "w_down": "btf,fd->btd"}
+DEEPSEEK_MATRICES = {"wq_a": "btd,dr->btr", "wq_b": "btr,rnh->btnh", "wkv_a": "btd,dr->btr",
+                     "wkv_b": "btr,rnh->btnh", "wo": "btnh,nhd->btd", "w_gate": "btd,df->btf",
+                     "w_up": "btd,df->btf", "w_down": "btf,fd->btd"}
 
 
-def _reference_quantized(params, contracted: dict, two_d: bool):
-    """The parameters with each listed layer matrix replaced, layer by layer, by its float64
-    reference NVFP4 round trip; everything else (embeddings, head, norms, router, routed
-    experts) untouched."""
-    out = dict(params)
-    for scan in ("layers", "dense_layers", "moe_layers"):
-        if scan not in params:
-            continue
-        layers = dict(params[scan])
-        for name, axis in contracted.items():
-            stacked = np.asarray(layers[name], np.float64)
-            layers[name] = np.stack([ref.dequantize(
-                *ref.encode(w, axis, two_d), axis) for w in stacked]).astype(np.float32)
-        out[scan] = layers
-    return out
+def nvfp4_products(monkeypatch, family, cfg) -> list[tuple[str, tuple]]:
+    """(subscripts, weight shape) of every product fp4.einsum takes in one forward."""
+    from model import common, fp4
+    calls = []
+    original = fp4.einsum
+
+    def recording(subscripts, x, w, *args):
+        calls.append((subscripts, w.shape))
+        return original(subscripts, x, w, *args)
+
+    monkeypatch.setattr(fp4, "einsum", recording)
+    specs = family.param_specs(cfg)
+    params = common.abstract_params(specs)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    options = {"expert_path": "dense"} if "router" in str(specs) else {}
+    jax.eval_shape(partial(family.forward, cfg=cfg, dtype=jnp.float32,
+                           quantization=quant.Quantization(), **options), params, tokens)
+    return calls, specs
 
 
-def _init(specs, seed=0):
-    from model import common
-    mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
-    return common.init_params(specs, common.AxisRules(batch="fsdp", mesh=mesh),
-                              jax.random.key(seed))
-
-
-@pytest.mark.parametrize("two_d", [False, True])
-def test_quantized_llama_is_llama_with_reference_quantized_matrices(two_d):
+def test_every_llama_layer_matrix_and_nothing_else_is_nvfp4(monkeypatch):
     from model import llama
     from model.config import LlamaConfig
     cfg = LlamaConfig(vocab=61, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                       d_ff=48, rope_theta=1000.0)
-    params = _init(llama.param_specs(cfg))
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab)
-    got, _ = llama.forward(params, tokens, cfg, dtype=jnp.float32,
-                           quantization=quant.Quantization("dequantize", two_d, "bf16"))
-    want, _ = llama.forward(_reference_quantized(params, LLAMA_CONTRACTED, two_d), tokens, cfg,
-                            dtype=jnp.float32)
-    plain, _ = llama.forward(params, tokens, cfg, dtype=jnp.float32)
-    scale = float(jnp.max(jnp.abs(want)))
-    np.testing.assert_allclose(got, want, atol=1e-5 * scale)
-    assert float(jnp.max(jnp.abs(plain - want))) > 1e-3 * scale  # quantization is visible
+    calls, specs = nvfp4_products(monkeypatch, llama, cfg)
+    expected = {(s, specs["layers"][name].shape[1:]) for name, s in LLAMA_MATRICES.items()}
+    assert set(calls) == expected and len(calls) == len(LLAMA_MATRICES)  # one scan body
 
 
-def test_quantized_deepseek_keeps_router_and_routed_experts_unquantized():
+def test_deepseek_keeps_router_and_routed_experts_out_of_nvfp4(monkeypatch):
     from model import deepseek
     from model.config import DeepSeekConfig, YarnScaling
     cfg = DeepSeekConfig(vocab=61, d_model=32, n_layers=2, n_dense_layers=1, n_heads=2,
@@ -469,10 +289,8 @@ def test_quantized_deepseek_keeps_router_and_routed_experts_unquantized():
                          experts_per_token=2, n_shared_experts=1, n_groups=4, topk_groups=2,
                          routed_scaling=2.5,
                          rope_scaling=YarnScaling(factor=4.0, original_max_position=64))
-    params = _init(deepseek.param_specs(cfg))
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab)
-    forward = partial(deepseek.forward, cfg=cfg, dtype=jnp.float32, expert_path="dense")
-    got, _ = forward(params, tokens, quantization=quant.Quantization(two_d=False,
-                                                                      backward="bf16"))
-    want, _ = forward(_reference_quantized(params, DEEPSEEK_CONTRACTED, False), tokens)
-    np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    calls, specs = nvfp4_products(monkeypatch, deepseek, cfg)
+    expected = {(s, specs[scan][name].shape[1:]) for scan in ("dense_layers", "moe_layers")
+                for name, s in DEEPSEEK_MATRICES.items() if name in specs[scan]}
+    assert set(calls) == expected  # the routed experts and the router never come here
+    assert len(calls) == 5 + 3 + 5 + 3  # per scan body: MLA's 5, then the (shared) MLP's 3

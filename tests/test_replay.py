@@ -1,4 +1,4 @@
-"""The step-time replay (analysis/replay.py) on small hand-written scheduled HLO modules whose
+"""The step-time replay (study/replay.py) on small hand-written scheduled HLO modules whose
 timelines follow by hand from the GPU's figures, and on a compiled program against the dot
 FLOPs of its trace."""
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from analysis import hlo, predicted, replay
-from configs.gpus import GPUS
+from study import hlo, predicted, replay
+from study.gpus import GPUS
 
 N = 1 << 20  # elements of the f32 vectors below: 4 MiB each
 MiB = 2**20

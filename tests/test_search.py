@@ -1,16 +1,16 @@
 """The placement search's fast model: its memory against the static plan and the study's memory
 facts, its terms on a hand-computed case, its overrides against the table they name. Its step
 times only rank candidates; the replay of compiled programs judges them (tests/test_replay.py,
-benchmarks/step_times.py). Every figure comes from the traced full-scale step (abstract
+study/step_times.py). Every figure comes from the traced full-scale step (abstract
 values: nothing compiled or allocated)."""
 
 import pytest
 
 import configs
-from analysis import search_report as ps
-import train
-from configs.gpus import GPUS
-from analysis import plan, search
+from study import search_report as ps
+from study.__main__ import main as study_main
+from study.gpus import GPUS
+from study import plan, search
 from runtime import setup as runtime_setup
 
 
@@ -34,11 +34,11 @@ def test_deepseek_memory_facts():
 @pytest.mark.parametrize("name", ["deepseek671b-device-mb8", "deepseek671b-offload",
                                   "llama405b-offload-pipelined"])
 def test_predicted_memory_is_the_static_plans(name):
-    """The search's per-tag arithmetic gives `--plan`'s peak for the row whose on-device tags
+    """The search's per-tag arithmetic gives the study plan's peak for the row whose on-device tags
     cost the most, and for the rows that pipeline their host transfers (one layer's offloaded
     tensors more on the device)."""
     row = configs.get(name)
-    tables = runtime_setup.placement_tables(row.model, row.run)
+    tables = runtime_setup.resolve_placement(row.model, row.run)
     planned = plan.full_scale(row, tables)
     assert (planned.pipelined > 0) == (name != "deepseek671b-device-mb8")
     assert predicted(row.name).device_bytes == planned.peak_estimate
@@ -72,7 +72,7 @@ def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_
     setup = runtime_setup.resolve(row.name, search.overrides(candidate, list(tables)),
                                   full=True)
     assert setup.run.mesh.shape(128) == (1, 32, 4) and setup.run.per_device_batch == 4
-    assert setup.tables == tables
+    assert setup.placement == tables
 
 
 def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
@@ -86,7 +86,7 @@ def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
     estimate = search.predict(best.candidate, ps.tracer_for(row).workload(2), result.hw)
     assert estimate.step_s == pytest.approx(best.step_s, rel=1e-9)
     setup = runtime_setup.resolve(row.name, ps.run_overrides(best, row.model), full=True)
-    assert setup.tables == {"layers": best.candidate.table("layers")}
+    assert setup.placement == {"layers": best.candidate.table("layers")}
 
 
 def test_a_late_tag_waits_for_the_link_unless_pipelined():
@@ -107,7 +107,7 @@ def test_a_late_tag_waits_for_the_link_unless_pipelined():
 
 
 def test_bad_search_option_is_one_line_and_status_2(capsys):
-    assert train.main(["llama405b-offload", "--search", "search.top=many"]) == 2
+    assert study_main(["search", "llama405b-offload", "search.top=many"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "search.top" in err[0]
-    assert train.main(["llama405b-offload", "--search", "search.nope=1"]) == 2
+    assert study_main(["search", "llama405b-offload", "search.nope=1"]) == 2

@@ -11,8 +11,8 @@ import pytest
 from configs import MeshConfig, OptimizerConfig, RunConfig
 from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA
 from model import common, deepseek, experts, llama
-from offload import policies
-from trainer.build import make_loss, make_mesh
+from offload import activations
+from trainer.program import make_loss, make_mesh
 from trainer.step import device_update, expert_metrics, loss_fn, make_optimizer, train_step
 from trainer.target import Target
 
@@ -20,7 +20,7 @@ from trainer.target import Target
 def step(params, batch, rules, loss_chunks=1):
     optimizer = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    policy = policies.checkpoint_policy(policies.PRESETS["qkv_offload"])
+    policy = activations.checkpoint_policy(activations.PRESETS["qkv_offload"])
     loss = partial(loss_fn, model=SHARDED_LLAMA, policies={"layers": policy}, rules=rules,
                    dtype=jnp.float32, loss_chunks=loss_chunks)
     grads = jax.grad(loss, has_aux=True)(params, batch)
@@ -78,7 +78,7 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, mesh):
     reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
                                 run=dataclasses.replace(run, mesh=MeshConfig())))(params, batch)
     rules = common.AxisRules(mesh=make_mesh(run, jax.devices()))
-    tables = policies.placement_tables("dsv3_offload", {}, deepseek.SCANS)
+    tables = activations.placement("dsv3_offload", {}, deepseek.SCANS)
     sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
     experts = sharded_params["moe_layers"]["we_gate"]  # [L, E, D, F]: E/(expert x fsdp) each
     assert experts.sharding.shard_shape(experts.shape)[1:3] == (

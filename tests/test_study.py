@@ -7,15 +7,15 @@ import math
 import pytest
 
 import configs
-import train
-from analysis import memory, plan
-from analysis.traced import TracedStep
-from configs.gpus import GPUS
+from study import memory, plan
+from study.traced_step import TracedStep
+from study.__main__ import main as study_main
+from study.compile_only import pool_bytes
+from study.gpus import GPUS
 from conftest import TINY_DEEPSEEK
 from model import deepseek, families, llama
-from offload import policies
-from runtime import backend
-from runtime.setup import placement_tables
+from offload import activations
+from runtime.setup import resolve_placement
 
 MiB, GiB = 2**20, 2**30
 # What each row offloads, from the study's text (not from the presets): Q, K and V in the
@@ -32,20 +32,20 @@ STUDY_MEMORY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs":
 
 def full_plan(name: str) -> memory.MemoryPlan:
     experiment = configs.get(name)
-    return plan.full_scale(experiment, placement_tables(experiment.model, experiment.run))
+    return plan.full_scale(experiment, resolve_placement(experiment.model, experiment.run))
 
 
 def test_the_llama_rows_offload_q_k_and_v():
-    tables = policies.placement_tables("qkv_offload", {}, llama.SCANS)
+    tables = activations.placement("qkv_offload", {}, llama.SCANS)
     assert tables == {s: {t: "offload" for t in tags} for s, tags in LLAMA_OFFLOADED.items()}
-    assert {configs.get(n).run.policy for n in configs.COMPARISONS["llama405b-compare"]} == {
+    assert {configs.get(n).run.preset for n in configs.COMPARISONS["llama405b-compare"]} == {
         "remat", "qkv_offload"}
 
 
 def test_the_deepseek_rows_place_the_studys_tensors():
     """Offloaded in `dsv3_offload`, kept on device in `dsv3_device`, tag by tag."""
     for preset, place in [("dsv3_offload", "offload"), ("dsv3_device", "device")]:
-        tables = policies.placement_tables(preset, {}, deepseek.SCANS)
+        tables = activations.placement(preset, {}, deepseek.SCANS)
         assert tables == {s: {t: place for t in tags} for s, tags in DEEPSEEK_OFFLOADED.items()}
 
 
@@ -92,16 +92,21 @@ def test_the_deepseek_rows_fit_as_the_study_found():
     assert offload.fits and offload.host_activations > 100 * GiB
 
 
+def test_a_run_names_one_of_the_studys_gpus():
+    """device=NAME: the GPUs a run may name (configs) are those the study has specs of."""
+    assert set(configs.DEVICES) == set(GPUS)
+
+
 def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
     """The DeepSeek offload row's plan is measured against the 95% of a GB200 the trainer
     gives XLA's pool, and its verdict follows the pool: at 70% it does not fit (its compiled
     program, 142.3 GiB per GPU, does not fit JAX's default 75% either: docs/placement.md)."""
     gpu = GPUS["gb200"]
     assert gpu.memory == 197_897_748_480  # the spec's device_memory_size: 184.3 GiB
-    assert backend.pool_bytes(gpu) == int(0.95 * gpu.memory)
+    assert pool_bytes(gpu) == int(0.95 * gpu.memory)
     assert full_plan("deepseek671b-offload").fits
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.70")
-    assert backend.pool_bytes(gpu) == int(0.70 * gpu.memory)
+    assert pool_bytes(gpu) == int(0.70 * gpu.memory)
     assert not full_plan("deepseek671b-offload").fits
 
 
@@ -109,7 +114,7 @@ def test_the_plan_keeps_a_devices_own_experts_whole():
     """Under expert parallelism without an fsdp axis a device holds its experts whole: the
     plan must not divide what it saves of them (their bf16 casts, without checkpointing) by
     the expert axis again."""
-    run = configs.RunConfig(policy="none", mesh=configs.MeshConfig(fsdp=1, expert=2), seq=16,
+    run = configs.RunConfig(preset="none", mesh=configs.MeshConfig(fsdp=1, expert=2), seq=16,
                             per_device_batch=1, compute_dtype="bfloat16")
     step = TracedStep(TINY_DEEPSEEK, run, (1, 1, 2))
     planned = memory.plan(step, None, memory.tag_lines(step, None), 10**12, 10**12)
@@ -120,7 +125,7 @@ def test_the_plan_keeps_a_devices_own_experts_whole():
 
 
 def test_plan_command_prints_the_study_facts(capsys):
-    assert train.main(["llama405b-offload", "--plan"]) == 0
+    assert study_main(["plan", "llama405b-offload"]) == 0
     out = capsys.readouterr().out
     assert "= 576 MiB per layer; x 126 layers = 70.9 GiB in host memory" in out
     assert "WARNING" in out and plan.HOST_POOL_VARIABLE in out
@@ -134,5 +139,5 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     model, run = experiment.at_scale(scale)
     devices = run.mesh.devices if scale == "full" else 8
     assert configs.problems(model, run, devices) == []
-    if run.policy != policies.NO_CHECKPOINT:
-        policies.placement_tables(run.policy, run.placements, families.scan_tags(model))
+    if run.preset != activations.NO_CHECKPOINT:
+        activations.placement(run.preset, run.placement, families.scan_tags(model))

@@ -11,7 +11,7 @@ import numpy as np
 import configs
 from configs import OptimizerConfig
 from model import common, llama, quant
-from offload import policies
+from offload import activations
 from runtime.data import SyntheticTokens, TokenFile
 from trainer.step import device_update, loss_fn, make_optimizer, train_step
 from conftest import SMALL, run_cli
@@ -41,7 +41,7 @@ def proxy_losses(batches, lr: float, cfg=None, **loss_options) -> list[float]:
 def test_loss_falls_on_a_repeated_batch():
     batch = SyntheticTokens(256, seed=0).batch(0, 4, 32)
     losses = proxy_losses([batch] * 30, lr=3e-3, policies={
-        "layers": policies.checkpoint_policy(policies.PRESETS["qkv_offload"])})
+        "layers": activations.checkpoint_policy(activations.PRESETS["qkv_offload"])})
     assert losses[-1] < 0.5 * losses[0], losses  # memorising 4 x 32 tokens
 
 

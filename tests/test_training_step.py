@@ -19,7 +19,7 @@ from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA, TINY_LLAMA, one_device_par
 from model import common, deepseek, llama
 from model.config import DeepSeekConfig
 from runtime import setup as runtime_setup
-from trainer import build, target as trainer_target
+from trainer import program, target as trainer_target
 from trainer.step import loss_fn, make_optimizer, update_router_bias
 
 
@@ -106,10 +106,10 @@ REFERENCE_RUN = configs.RunConfig(
     optimizer=OptimizerConfig(lr=0.02, warmup_steps=2, min_lr_ratio=0.3, b1=0.8, b2=0.9,
                               weight_decay=0.25))
 TRAINERS = {  # model, clip norm, run: an offload policy; the MoE model's experts exchanged
-    "llama": (SHARDED_LLAMA, 1.5, {"policy": "qkv_offload"}),
-    "llama-host-state": (SHARDED_LLAMA, 1.5, {"policy": "qkv_offload",
+    "llama": (SHARDED_LLAMA, 1.5, {"preset": "qkv_offload"}),
+    "llama-host-state": (SHARDED_LLAMA, 1.5, {"preset": "qkv_offload",
                                               "optimizer_state": "host"}),
-    "deepseek": (SHARDED_DEEPSEEK, 2.0, {"policy": "dsv3_offload",
+    "deepseek": (SHARDED_DEEPSEEK, 2.0, {"preset": "dsv3_offload",
                                          "mesh": MeshConfig(fsdp=2, expert=4)}),
 }
 
@@ -178,22 +178,22 @@ def float64_gradients(model, run, like):
 
 
 def trainer_steps(model, run, params, batches):
-    """The trainer's own jitted step (trainer/build.py) over 8 CPU devices, FSDP: the state
+    """The trainer's own jitted step (trainer/program.py) over 8 CPU devices, FSDP: the state
     after each batch."""
-    rules = common.AxisRules(mesh=build.make_mesh(run, jax.devices()))
+    rules = common.AxisRules(mesh=program.make_mesh(run, jax.devices()))
     optimizer = make_optimizer(run.optimizer, run.steps)
     shardings = jax.tree.map(lambda a: a.sharding,
-                             build.abstract_state(model, run, rules, optimizer))
+                             program.abstract_state(model, run, rules, optimizer))
     # Copies: the step donates its state, and the caller's `params` start the reference.
     params = jax.device_put(jax.tree.map(np.asarray, params), shardings["params"])
     state = {"params": params, "opt_state": jax.jit(
         optimizer.init, out_shardings=shardings["opt_state"])(params),
         "step": jnp.zeros((), jnp.int32)}
-    tables = runtime_setup.placement_tables(model, run)
-    step = build.make_step(model, run, tables, rules, optimizer, trainer_target.this_machine())
+    tables = runtime_setup.resolve_placement(model, run)
+    step = program.make_step(model, run, tables, rules, optimizer, trainer_target.this_machine())
     history = []
     for batch in batches:
-        state, _ = step(state, jax.device_put(batch, build.abstract_batch(
+        state, _ = step(state, jax.device_put(batch, program.abstract_batch(
             run, rules, 8).sharding))
         history.append({"params": flat(state["params"]),
                         "mu": flat(optax.tree.get(state["opt_state"], "mu")),

@@ -1,7 +1,7 @@
 """The math of one training step: the loss, the optimizer, the router-bias update, the step.
 
-Shared by the trainer, the analyses, the tests and the benchmarks; nothing here reads
-experiments or the command line.
+Shared by the trainer, the study tools and the tests; nothing here reads experiments or the
+command line.
 """
 
 from functools import partial
@@ -29,8 +29,7 @@ def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=Non
     """`cross_entropy` of the final norm and LM head's logits of x [B, T, D], T/chunks
     positions of every sequence at a time. A chunk's [B, T/chunks, V] fp32 logits exist only
     while it runs and again in the backward pass (recomputed: one more LM-head GEMM), instead
-    of all B x T x V logits and their gradient at once: 2 x 15.8 GiB per GPU for DeepSeek-V3
-    at micro batch 8, 2 x 7.8 GiB for Llama 405B at 2."""
+    of all B x T x V logits and their gradient at once (docs/model.md: the sizes)."""
     if chunks == 1:
         return cross_entropy(unembed(x, params["final_norm"], params["lm_head"], eps), targets)
 
@@ -53,7 +52,7 @@ def loss_fn(params, batch, key=None, *, model, policies, rules, dtype, balance_w
     """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1; `key`: the step's random bits
     (an FP4 backward's rounding). (loss, aux): aux holds the cross-entropy and, for MoE
     models, the expert loads and the balance term."""
-    x, stats = families.of(model).decode(params, batch[:, :-1], model, policies=policies,
+    x, stats = families.of(model).trunk(params, batch[:, :-1], model, policies=policies,
                                          rules=rules, dtype=dtype, key=key, **options)
     loss = chunked_cross_entropy(x, params, batch[:, 1:], model.norm_eps, loss_chunks, rules)
     aux = {"cross_entropy": loss, **stats}
@@ -81,7 +80,7 @@ def device_update(optimizer):
 
 
 def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_devices=1, seed=0):
-    """`update`: `device_update` or, for the state in host memory, trainer/host_state.py's;
+    """`update`: `device_update` or, for the state in host memory, offload/optimizer_state.py's;
     `expert_devices`: the devices of the expert axis, whose experts' drops are reported apart.
     The step's key is a function of (seed, step), so a resumed run draws the same bits."""
     key = jax.random.fold_in(jax.random.key(seed), state["step"])

@@ -20,10 +20,10 @@ fi
 export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.95}
 
 # XLA's pinned-host pool (64 GiB per process by default) must hold the offloaded activations
-# of all the process's GPUs: the plan's per-GPU figure (printed without a GPU, on this batch
+# of all the process's GPUs: the study's plan per GPU (printed without a GPU, on this batch
 # host's CPU; a comparison's largest row) x GPUs per task, +10%, never below the default.
 if [[ -z ${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-} ]]; then
-    pool=$(JAX_PLATFORMS=cpu "$python" train.py "$@" --plan | awk -v n="$gpus_per_task" '
+    pool=$(JAX_PLATFORMS=cpu "$python" -m study plan "$@" | awk -v n="$gpus_per_task" '
         /^host \(pinned\)/ { g = $3; if ($4 == "MiB") g /= 1024; if ($4 == "KiB") g = 0
                              if (g > gib) gib = g }
         END { need = gib * n * 1.1; if (need > int(need)) need = int(need) + 1

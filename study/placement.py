@@ -2,7 +2,7 @@
 
 What JAX asks: lower a step for a GPU (platform "cuda", from any machine) from abstract inputs
 and read where XLA is told to put each offloaded value (the "exported" program). On a CPU, JAX
-drops memory placements when it lowers, so an offload policy there is only a numerical no-op;
+drops memory placements when it lowers, so an offloaded tag there is only a numerical no-op;
 the program lowered for "cuda" still carries them: one `annotate_device_placement` custom call with
 `_xla_buffer_placement = "pinned_host"` per offloaded value in the forward loop body, and one
 with "device" where the backward pass brings it back. Nothing is allocated.
@@ -12,17 +12,17 @@ value offloaded inside a layer scan becomes one buffer stacked over the layers,
 `bf16[L, ...]{...:S(5)}` (memory space 5: pinned host), made by an `AllocateBuffer` custom
 call, written in the forward loop and read in the backward loop. XLA's host-offload passes
 could still keep a device copy or drop a move, or address the buffer wrongly: only the
-compiled program shows it (analysis/addressing.py proves its addressing).
+compiled program shows it (study/addressing.py proves its addressing).
 """
 
 import re
 from collections import Counter
 
 
-from analysis import addressing
-from analysis.addressing import Proof
-from analysis.trace import Tagged, moves_in, offloaded_in
-from trainer import host_state
+from study import addressing
+from study.addressing import Proof
+from study.jaxpr import Tagged, moves_in, offloaded_in
+from offload import optimizer_state
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
@@ -55,7 +55,7 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
     program = fn.trace(*args)
     traced = offloaded_in(program.jaxpr.jaxpr)
     tags = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
-    state = moves_in(program.jaxpr.jaxpr, host_state.SCOPE)
+    state = moves_in(program.jaxpr.jaxpr, optimizer_state.SCOPE)
     exported = annotations(program.lower(lowering_platforms=("cuda",)).as_text())
     for placement in ("pinned_host", "device"):
         expected = tags + Counter({(shape, dtype): n for (kind, shape, dtype), n
@@ -71,7 +71,7 @@ def compiled_host_buffers(hlo: str, offloaded: list[Tagged],
                           state: set[tuple] = frozenset()) -> dict[tuple[str, str], Proof]:
     """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose
     stack over its layers, [count, *shape], the compiled program keeps in host memory, and the
-    proof that the program reads that buffer back from where it wrote it (analysis/addressing.py).
+    proof that the program reads that buffer back from where it wrote it (study/addressing.py).
 
     A host buffer that no offloaded value accounts for is an error: the program moves
     something no table asked for. Buffers of the optimizer state's stacked moments (`state`:

@@ -1,6 +1,6 @@
 """Proxy training-step time and model-FLOP rate, as a fraction of a same-run matmul ceiling.
 
-    python benchmarks/bench.py [experiment] [steps=N]
+    python -m study bench [experiment] [steps=N]
 
 Figures are ratios within one run on whatever machine runs this (noisy if shared): the
 model FLOP rate (MaxText's count, no recompute) over the rate of a large f32 matmul.
@@ -14,23 +14,21 @@ import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import configs  # noqa: E402
-from runtime import report  # noqa: E402
+import configs
+from runtime import report
 
-from runtime.data import SyntheticTokens  # noqa: E402
-from model import common  # noqa: E402
-from offload import policies  # noqa: E402
-from model import families  # noqa: E402
-from trainer import build as trainer_build  # noqa: E402
-from trainer import step as trainer_step  # noqa: E402
-from trainer import target as trainer_target  # noqa: E402
+from runtime.data import SyntheticTokens
+from model import common
+from offload import activations
+from model import families
+from trainer import program as trainer_build
+from trainer import step as trainer_step
+from trainer import target as trainer_target
 
 def timed(fn, *args, repeats: int) -> float:
     """Median seconds per call, after one warm-up call."""
@@ -55,9 +53,9 @@ def proxy_params(model):
                               common.AxisRules(mesh=mesh), jax.random.key(0))
 
 
-def step_time(model, run, policy_name: str, repeats: int) -> float:
-    tables = None if policy_name == policies.NO_CHECKPOINT else policies.placement_tables(
-        policy_name, {}, families.scan_tags(model))
+def step_time(model, run, preset: str, repeats: int) -> float:
+    tables = None if preset == activations.NO_CHECKPOINT else activations.placement(
+        preset, {}, families.scan_tags(model))
     params = proxy_params(model)
     optimizer = trainer_step.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
@@ -84,9 +82,9 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
           f"1 {jax.default_backend()} device; "
           f"median of {repeats} steps")
     flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
-    print(f"{'policy':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
+    print(f"{'preset':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
     times = {p: step_time(model, run, p, repeats)
-             for p in ("none", "remat", experiment.run.policy)}
+             for p in ("none", "remat", experiment.run.preset)}
     for p, seconds in times.items():
         rate = flops / seconds
         print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
@@ -94,14 +92,15 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
     if run.quant != "none":
         nvfp4_costs(model, run, repeats)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "train.py", name, "--plan"], check=True,
+    subprocess.run([sys.executable, "-m", "study", "plan", name], check=True,
                    stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
-    print(f"full-scale plan (python train.py {name} --plan, a fresh process): "
+    print(f"full-scale plan (python -m study plan {name}, a fresh process): "
           f"{time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
-    subprocess.run([sys.executable, "train.py", name, "--search", "search.plot=off"], check=True,
-                   stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
-    print(f"placement search (python train.py {name} --search, a fresh process): "
+    subprocess.run([sys.executable, "-m", "study", "search", name, "search.plot=off"],
+                   check=True, stdout=subprocess.DEVNULL,
+                   cwd=Path(__file__).resolve().parent.parent)
+    print(f"placement search (python -m study search {name}, a fresh process): "
           f"{time.perf_counter() - started:.1f} s")
 
 
@@ -115,7 +114,7 @@ def nvfp4_costs(model, run, repeats: int) -> None:
     """What NVFP4 costs a proxy step on this machine (the dequantize path: the values of the
     FP4 GEMMs, multiplied in the compute dtype), and how far it moves the logits of the same
     (random) weights from unquantized bf16 ones."""
-    times = {row: step_time(model, dataclasses.replace(run, **changes), run.policy, repeats)
+    times = {row: step_time(model, dataclasses.replace(run, **changes), run.preset, repeats)
              for row, changes in QUANT_ROWS.items()}
     params = proxy_params(model)
     tokens = jnp.asarray(SyntheticTokens(model.vocab, 1).batch(0, run.per_device_batch,
@@ -132,7 +131,7 @@ def nvfp4_costs(model, run, repeats: int) -> None:
     errors = {"none, f32": logits(jnp.float32, QUANT_ROWS["none"])}
     errors.update({f"{row}, bf16": logits(jnp.bfloat16, changes)
                    for row, changes in QUANT_ROWS.items() if row != "none"})
-    print(f"NVFP4, policy {run.policy} (the dequantize path: FP4 values, GEMMs in the compute "
+    print(f"NVFP4, preset {run.preset} (the dequantize path: FP4 values, GEMMs in the compute "
           "dtype):")
     print(f"{'quant':<17}{'step ms':>9}{'vs none':>10}")
     for row, seconds in times.items():
@@ -155,7 +154,3 @@ def main(argv: list[str]) -> None:
         bench(name, overrides, repeats, ceiling)
     print("(on a CPU, offloaded tensors stay in memory: the gain over remat is the recompute "
           "saved, the cost the memory traffic of keeping them)")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

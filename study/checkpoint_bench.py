@@ -1,7 +1,7 @@
 """Checkpoint costs on a proxy: save and restore time of its train state, and what asynchronous
 saves every N steps add to the mean step time.
 
-    python benchmarks/checkpoint_bench.py [experiment] [steps=N]
+    python -m study checkpoint-bench [experiment] [steps=N]
 
 Ratios within one run on whatever machine runs this: on a CPU the background write competes
 with the step for the same cores, which a GPU run does not.
@@ -11,21 +11,18 @@ import contextlib
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
-import jax  # noqa: E402
+import jax
 
-from runtime import checkpoints  # noqa: E402
-import configs  # noqa: E402
-import train  # noqa: E402
-from runtime import setup as runtime_setup  # noqa: E402
-from trainer import target as trainer_target  # noqa: E402
+from runtime import checkpoints
+import configs
+import train
+from runtime import setup as runtime_setup
+from trainer import target as trainer_target
 
 INTERVALS = (0, 1, 10)  # checkpoint_every: none, every step, a realistic interval
 
@@ -79,7 +76,3 @@ def main(argv: list[str]) -> None:
         print(f"{'checkpoint_every':<18}{'mean step ms':>14}{'vs none':>10}  (steps 2..{steps})")
         for every, seconds in times.items():
             print(f"{every or 'off':<18}{seconds * 1e3:>14.1f}{seconds / times[0] - 1:>+10.1%}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -3,8 +3,8 @@
 `gpu_specs/*.txtpb` are XLA's GPU target descriptions (a `GpuTargetConfigProto` per GPU, read
 off real devices), kept as published; README.md there names their source. They give the
 device memory the plans measure against and the compute capability that picks kernels, and
-they let `--compile` run XLA's real GPU compiler without a GPU (jaxlib 0.12 reads them as
-published). No JAX import (see configs).
+they let `python -m study compile` run XLA's real GPU compiler without a GPU (jaxlib 0.12
+reads them as published). No JAX import (see configs).
 """
 
 import dataclasses

@@ -1,32 +1,29 @@
 """The study's rows replayed from their compiled GPU programs, against the study's throughput.
 
-    python benchmarks/step_times.py [--hlo DIR] [EXPERIMENT ...]
+    python -m study step-times [--hlo DIR] [EXPERIMENT ...]
 
 Each row is compiled once for its GPUs on compile-only devices (as `make compile-ROW` does; or
 its optimized HLO read from DIR/<row>.hlo, written there by an earlier run with --hlo), its step
-replayed (analysis/replay.py) and compared with the study: TFLOP/s/device per row, then the
+replayed (study/replay.py) and compared with the study: TFLOP/s/device per row, then the
 study's five ratios, each a hit when within 3 percentage points. Last, the efficiency fit of
-configs/gpus.py: each precision class on the one study row named for it.
+study/gpus.py: each precision class on the one study row named for it.
 """
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
-import configs  # noqa: E402
-from analysis import predicted  # noqa: E402
-from configs.gpus import GPUS  # noqa: E402
-from model import families  # noqa: E402
-from runtime import setup as runtime_setup  # noqa: E402
-from trainer import target as trainer_target  # noqa: E402
+import configs
+from model import families
+from runtime import setup as runtime_setup
+from study import predicted
+from study.compile_only import compile_only
+from study.compiled import compile_row
+from study.gpus import GPUS
 
 ROWS = [*configs.COMPARISONS["llama405b-compare"], "llama405b-searched",
         *configs.COMPARISONS["deepseek671b-compare"]]
-# What-ifs, each one figure of configs/gpus.py changed: how much of a miss a term explains.
+# What-ifs, each one figure of study/gpus.py changed: how much of a miss a term explains.
 WHAT_IFS = {"one NVLink domain": {"nvlink_domain": 128},
             "host link not shared": {"host_link_gpus": 1}}
 # (what, numerator row, denominator row, the study's figure): the study's claims as ratios.
@@ -49,8 +46,8 @@ def compiled_hlo(name: str, hlo_dir: Path | None, targets: dict) -> str:
     setup = runtime_setup.resolve(name, [], full=True)
     key = (setup.run.device, setup.run.mesh.devices)
     if key not in targets:
-        targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
-    text = runtime_setup.build(setup, targets[key]).compiled.as_text()
+        targets[key] = compile_only(GPUS[key[0]], key[1])
+    text = compile_row(setup, targets[key]).hlo
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{name}.hlo").write_text(text)
@@ -117,12 +114,9 @@ def main(argv: list[str]) -> int:
     for label, changes in WHAT_IFS.items():
         figures = [f"{n} {predict(n, texts[n], **changes).tflops:,.0f}" for n in names]
         print(f"  {label}: " + ", ".join(figures))
-    print("\nefficiency fits (configs/gpus.py takes a figure only where a fit succeeds):")
+    print("\nefficiency fits (study/gpus.py takes a figure only where a fit succeeds):")
     for cls, name in FIT_ON.items():
         if name in texts:
             print(f"  {fit(cls, name, texts[name])}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

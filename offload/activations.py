@@ -1,11 +1,12 @@
-"""Placement tables and the `jax.checkpoint` policies they become.
+"""The activations' placement and the `jax.checkpoint` policies it becomes.
 
-A placement table maps a tag (a `checkpoint_name` in the model) to where its value waits
-between the forward and the backward pass:
+A placement maps each layer scan's tags (`checkpoint_name`s in the model) to where each value
+waits between the forward and the backward pass:
   device   kept in device memory;
   offload  copied to pinned host memory in the forward pass, streamed back for the backward;
   remat    not kept: recomputed in the backward pass from the layer's saved inputs.
-A tag missing from a table is `remat`.
+A tag it does not name is `remat`. A preset is a named placement; a run takes one and changes
+single tags over it (`placement.<tag>=`). The optimizer state's offload is optimizer_state.py.
 """
 
 from collections.abc import Mapping
@@ -18,8 +19,8 @@ PLACEMENTS = ("device", "offload", "remat")
 # list their tags (model/llama.py, model/deepseek.py), this one first.
 LAYER_INPUT = "decoder_layer_input"
 
-# Named tables. A flat table applies to every scan that has the tag; a table of tables is per
-# scan. "none" is not a table: it turns checkpointing off (autodiff keeps everything).
+# Named placements. A flat one applies to every scan that has the tag; one of tables is per
+# scan. "none" is not a placement: it turns checkpointing off (autodiff keeps everything).
 PRESETS: dict[str, dict] = {
     "remat": {},
     "minimal": {t: "device" for t in ("query_proj", "key_proj", "value_proj", "out_proj",
@@ -53,11 +54,11 @@ def _place(tables: dict, scans: list[str], tag: str, place: str, where: str) -> 
         tables[scan][tag] = place
 
 
-def placement_tables(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
-    """scan -> {tag: placement}: the preset, then `changes` ("tag" for every scan that has
-    it, "scan.tag" for one), each checked against the model's tags."""
+def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
+    """scan -> {tag: device|offload|remat}: the preset, then `changes` ("tag" for every scan
+    that has it, "scan.tag" for one), each checked against the model's tags."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown policy {preset!r}; choose one of "
+        raise ValueError(f"unknown preset {preset!r}; choose one of "
                          f"{', '.join([*PRESETS, NO_CHECKPOINT])}")
     tables = {scan: {} for scan in scan_tags}
     entries = [(k, v) for k, v in PRESETS[preset].items() if not isinstance(v, dict)]
@@ -66,25 +67,25 @@ def placement_tables(preset: str, changes: Mapping[str, str], scan_tags: Mapping
     for key, place in [*entries, *dict(changes).items()]:
         scan, _, tag = key.rpartition(".")
         if scan and scan not in scan_tags:
-            raise ValueError(f"policy.{key}: the model has no layer scan {scan!r}; scans: "
+            raise ValueError(f"placement.{key}: the model has no layer scan {scan!r}; scans: "
                              f"{', '.join(scan_tags)}")
         scans = [scan] if scan else [s for s, tags in scan_tags.items() if tag in tags]
         if not scans or any(tag not in scan_tags[s] for s in scans):
             known = sorted({t for tags in scan_tags.values() for t in tags})
-            raise ValueError(f"policy.{key}: the model has no tag {tag!r} there; tags: "
+            raise ValueError(f"placement.{key}: the model has no tag {tag!r} there; tags: "
                              f"{', '.join(known)}")
-        _place(tables, scans, tag, place, f"policy.{key}")
+        _place(tables, scans, tag, place, f"placement.{key}")
     return tables
 
 
 def checkpoint_policy(table: Mapping[str, str]):
-    """The `jax.checkpoint` policy that realises a placement table."""
+    """The `jax.checkpoint` policy that realises one scan's placement."""
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[t for t, p in table.items() if p == "device"],
         names_which_can_be_offloaded=[t for t, p in table.items() if p == "offload"],
         offload_src="device", offload_dst="pinned_host")
 
 
-def checkpoint_policies(tables: Mapping[str, Mapping[str, str]] | None) -> dict:
-    """scan -> policy; empty (no checkpointing) when there are no tables."""
-    return {scan: checkpoint_policy(t) for scan, t in (tables or {}).items()}
+def checkpoint_policies(placement: Mapping[str, Mapping[str, str]] | None) -> dict:
+    """scan -> policy; empty (no checkpointing) without a placement."""
+    return {scan: checkpoint_policy(t) for scan, t in (placement or {}).items()}

@@ -1,23 +1,20 @@
 """Every full-scale study row compiled for its GPUs without a GPU, one markdown table.
 
-    python benchmarks/compile_table.py [EXPERIMENT ...] [key=value ...]
+    python -m study compile-table [EXPERIMENT ...] [key=value ...]
 
 Each row goes through `runtime_setup.build` on compile-only devices, as `make compile-ROW` does:
 XLA's per-device memory of the compiled step beside the static plan, the study's figure where
 it gives one, and whether the step fits the memory JAX takes of the GPU.
 """
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
-import configs  # noqa: E402
-from configs.gpus import GPUS  # noqa: E402
-from runtime import setup as runtime_setup  # noqa: E402
-from trainer import target as trainer_target  # noqa: E402
+import configs
+from runtime import backend
+from runtime import setup as runtime_setup
+from study.compile_only import compile_only, pool_bytes
+from study.compiled import compile_row
+from study.gpus import GPUS
 
 GiB = 2**30
 ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
@@ -33,11 +30,11 @@ def row(name: str, overrides: list[str], targets: dict) -> list[str]:
     run = setup.run
     key = (run.device, run.mesh.devices)
     if key not in targets:
-        targets[key] = trainer_target.compile_only(GPUS[key[0]], key[1])
-    built = runtime_setup.build(setup, targets[key])
+        targets[key] = compile_only(GPUS[key[0]], key[1])
+    built = compile_row(setup, targets[key])
     compiled = built.compiled_memory()
     static = built.full_plan
-    usable = backend.pool_bytes(GPUS[run.device])
+    usable = pool_bytes(GPUS[run.device])
     study = STUDY_GIB.get(name)
     return [name, f"{compiled.arguments / GiB:.1f}", f"{compiled.temporaries / GiB:.1f}",
             f"{compiled.device / GiB:.1f}", f"{static.peak_estimate / GiB:.1f}",
@@ -45,7 +42,7 @@ def row(name: str, overrides: list[str], targets: dict) -> list[str]:
             "-" if study is None else f"{study:.1f}",
             f"{compiled.host / GiB:.1f}", f"{static.host_activations / GiB:.1f}",
             "fits" if compiled.device <= usable else "DOES NOT FIT",
-            f"{built.compile_s:.0f}", f"{time.perf_counter() - started:.0f}"]
+            f"{built.built.compile_s:.0f}", f"{time.perf_counter() - started:.0f}"]
 
 
 def main(argv: list[str]) -> int:
@@ -62,6 +59,3 @@ def main(argv: list[str]) -> int:
         print("| " + " | ".join(row(name, overrides, targets)) + " |", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,12 +1,12 @@
 """Where a step's activations go, and how much memory each device needs, from abstract values.
 
-    python train.py EXPERIMENT --plan [key=value ...]      the full-scale plan (static)
-    python train.py EXPERIMENT --compile [key=value ...]   beside XLA's compiled GPU program
+    python -m study plan EXPERIMENT [key=value ...]      the full-scale plan (static)
+    python -m study compile EXPERIMENT [key=value ...]   beside XLA's compiled GPU program
 
 The static plan allocates and compiles nothing: the step is traced and exported for a GPU from
 ShapeDtypeStructs sharded over an abstract mesh, with kernels every backend has (target
 "any"), so a laptop plans the 128-GPU run and a GPU run plans without touching its devices.
-A compiled program (`--compile`, a GPU run) adds what XLA really does: the host buffers it
+A compiled program (`python -m study compile`) adds what XLA really does: the host buffers it
 keeps and its memory per device.
 """
 
@@ -16,13 +16,15 @@ import os
 import jax
 import jax.numpy as jnp
 
-from analysis import addressing, memory
-from analysis.traced import TracedStep
+from study import addressing, memory
+from study.traced_step import TracedStep
 from configs import Experiment, RunConfig
-from configs.gpus import GPUS, Gpu
-from offload import policies
+from study.gpus import GPUS, Gpu
+from offload import activations
 from runtime import backend
 from trainer import target
+from runtime.placement import CompiledMemory
+from study.compile_only import pool_bytes
 
 GiB, MiB = 2**30, 2**20
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -43,13 +45,13 @@ def full_scale(experiment: Experiment, tables: dict | None, compiled_hlo: str | 
     step = step or TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
     gpu = GPUS[run.device]
     return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
-                       backend.pool_bytes(gpu), gpu.host_memory)
+                       pool_bytes(gpu), gpu.host_memory)
 
 
 def memory_source(gpu: Gpu) -> str:
     fraction, variable = backend.memory_fraction()
     return (f"JAX's pool on the {gpu.name}: {variable}={fraction:g} x {_size(gpu.memory)} "
-            f"= {_size(backend.pool_bytes(gpu))}")
+            f"= {_size(pool_bytes(gpu))}")
 
 
 def placement_lines(lines: list[memory.TagLine]) -> list[str]:
@@ -77,22 +79,10 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
 
 def addressing_problems(lines: list[memory.TagLine]) -> list[str]:
     """One line per offloaded tag whose host buffer the compiled program does not provably
-    read back from where it wrote it (analysis/addressing.py)."""
+    read back from where it wrote it (study/addressing.py)."""
     return [f"{line.value.scan} {line.value.tag}: addressing {line.addressing.verdict}: "
             f"{line.addressing.detail}" for line in lines
             if line.addressing is not None and not line.addressing.holds]
-
-
-def addressing_refusal(lines: list[memory.TagLine]) -> str | None:
-    """Why a GPU run must not start: its compiled step reads an offloaded activation back
-    from another layer's bytes (silently wrong gradients); None when none does."""
-    wrong = [line for line in lines if line.addressing is not None
-             and line.addressing.verdict == addressing.WRONG]
-    if not wrong:
-        return None
-    return (f"the compiled step would train on wrong gradients: {addressing_problems(wrong)[0]}"
-            f"{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}; this is jax "
-            f"{jax.__version__}; the bug is fixed from {addressing.FIXED_IN} on")
 
 
 def _verdict(line: memory.TagLine) -> str:
@@ -104,7 +94,7 @@ def _verdict(line: memory.TagLine) -> str:
         return "pinned_host, back to device for the backward pass"
     if line.offloaded:
         return "NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it on device"
-    if line.value.tag == policies.LAYER_INPUT:
+    if line.value.tag == activations.LAYER_INPUT:
         return "kept on device: a checkpointed layer always keeps its input"
     return {"device": "stays on device", "remat": "recomputed"}.get(line.placement,
                                                                     "NOT OFFLOADED")
@@ -117,7 +107,7 @@ def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
     mesh = run.mesh
     title = (f"memory plan: {name} at full scale, per device of the mesh data={mesh.data} x "
              f"fsdp={mesh.fsdp} x expert={mesh.expert} ({run.device}); {run.batch(devices)} "
-             f"sequences x {run.seq} tokens; policy {run.policy}")
+             f"sequences x {run.seq} tokens; preset {run.preset}")
     return [title, *placement_lines(plan.tags),
             *memory_lines(plan, GPUS[run.device], pool, run)]
 
@@ -132,16 +122,13 @@ def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryP
 
 def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
     """What `gpu` makes of the run's NVFP4 (the choice trainer/target.py's `quantization`
-    makes for the compile), and why where it has no FP4 speed-up."""
-    on = target.Target("gpu", gpu.capability)
-    chosen = target.quantization(run, on)
+    makes for the compile)."""
+    chosen = target.quantization(run, target.Target("gpu", gpu.capability))
     words = target.quantization_words(chosen)
     if chosen.path == "scaled":
         return f"{words} (the {gpu.name}'s)"
     major, minor = gpu.capability
-    why = (f"JAX's FP4 product takes 1x16 blocks, not {run.quant_tiles}" if on.blackwell else
-           f"the {gpu.name} (compute capability {major}.{minor}) has no FP4 tensor cores")
-    return f"{words} ({why})"
+    return f"{words} (the {gpu.name} (compute capability {major}.{minor}) has no FP4 tensor cores)"
 
 
 def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
@@ -197,7 +184,7 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
     return out
 
 
-def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
+def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan,
                    gpu: Gpu) -> list[str]:
     """XLA's per-device memory of the compiled GPU program beside the static plan, and whether
     it fits the memory JAX takes and the host memory there is."""
@@ -232,7 +219,7 @@ def compiled_lines(compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
     elif unproven := [p for p in proofs if not p.holds]:
         out.append(f"UNPROVEN: the addressing of {len(unproven)} of {len(proofs)} host buffers "
                    "cannot be verified (above); check the gradients on a GPU: "
-                   "benchmarks/gpu_check.py")
+                   "study/gpu_check.py")
     out.append(fit_line(fits, compiled.device, "compiled", compiled.host, plan, gpu))
     out.append("not in the compiled figures: GEMM autotuning (none without a GPU: default "
                "tiles), cuDNN workspaces (0 without a GPU), NCCL buffers (outside XLA's pool)")

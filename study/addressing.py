@@ -24,7 +24,7 @@ shape it does not understand is CANNOT VERIFY, never a pass.
 import dataclasses
 import operator
 
-from analysis.hlo import Computation, Instruction, Module, Shape, parse_module
+from study.hlo import Computation, Instruction, Module, Shape, parse_module
 
 XLA_ISSUE = "openxla/xla #46231"
 FIXED_IN = "jax 0.11.1"  # the first release that compiles tests/tools/offload_probe.py right

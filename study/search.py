@@ -5,13 +5,13 @@ the expert axis split the routed experts; the fsdp axis takes the rest), one pla
 per layer scan, an XLA schedule (latency hiding scheduler on or off, pipelined host offloading
 on or off) and where the optimizer state lives (device, or host: its moments cross the host
 link each way per step, after the backward pass, exposed). Its inputs
-come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `trace.work`)
+come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `jaxpr.work`)
 and from the hardware figures; nothing here traces or reads configs.
 
 A fast time model, for ranking many candidates (the replay of a compiled program,
-analysis/replay.py, judges the few that are compiled), per layer scan and per layer (`predict`):
+study/replay.py, judges the few that are compiled), per layer scan and per layer (`predict`):
   compute    executed dot FLOPs (no checkpointing, plus what this table recomputes) at one
-             rate (the GPU's bf16 rate, configs/gpus.py);
+             rate (the GPU's bf16 rate, study/gpus.py);
   host link  each offloaded tag's bytes, once to host in the forward pass and once back;
   NVLink     FSDP: the layer's weights all-gathered in each pass, its gradients
              reduce-scattered; expert all-to-alls (and the ones the recompute repeats), over
@@ -81,12 +81,12 @@ class Hardware:
     capacity: int  # device memory JAX takes
     host_capacity: int  # host memory per GPU
     network: float = 0.0  # bytes/s each way per GPU between NVLink domains
-    domain: int = 0  # GPUs per NVLink domain (configs/gpus.py: Gpu.domain_size); 0: all
+    domain: int = 0  # GPUs per NVLink domain (study/gpus.py: Gpu.domain_size); 0: all
 
     def all_to_all_s(self, group: int) -> float:
         """Seconds per byte of an all-to-all over `group` consecutive devices: the part for
         the group's devices in one NVLink domain over NVLink, the rest over the NICs at once
-        (as analysis/replay.py costs it)."""
+        (as study/replay.py costs it)."""
         if group <= 1:
             return 0.0
         inside = min(group, self.domain or group)
@@ -111,7 +111,7 @@ class Candidate:
     tables: tuple  # ((scan, ((tag, place), ...)), ...): hashable; absent tags are remat
     schedule: Schedule
     row: str = ""  # the study row it is, if any
-    optimizer_state: str = "device"  # or "host" (trainer/host_state.py)
+    optimizer_state: str = "device"  # or "host" (offload/optimizer_state.py)
     mesh: tuple[int, int, int] | None = None  # (data, fsdp, expert), when searched
 
     def table(self, scan: str) -> dict:
@@ -308,13 +308,13 @@ def pareto(predictions: list[Prediction]) -> list[Prediction]:
 
 def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
     """The `key=value` overrides that run a candidate: every placement spelled out."""
-    out = ["policy=remat", f"per_device_batch={candidate.batch}", "global_batch=0",
+    out = ["preset=remat", f"per_device_batch={candidate.batch}", "global_batch=0",
            f"optimizer_state={candidate.optimizer_state}"]
     if candidate.mesh is not None:
         out += [f"mesh.{axis}={n}" for axis, n in zip(("data", "fsdp", "expert"),
                                                       candidate.mesh)]
     for scan in scans:
-        out += [f"policy.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
+        out += [f"placement.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
     sched = candidate.schedule
     flags = {"xla_gpu_enable_latency_hiding_scheduler": str(sched.lhs).lower(),
              "xla_gpu_enable_pipelined_host_offloading": str(sched.pipelined).lower()}

@@ -1,18 +1,18 @@
 """The placement search's inputs, traced from an experiment, and its report.
 
-    python train.py EXPERIMENT --search [device=gb200|b200|h200|h100] [key=value ...]
+    python -m study search EXPERIMENT [device=gb200|b200|h200|h100] [key=value ...]
         [search.batches=1,2,4,8] [search.experts=1,2,4,8] [search.top=10] [search.exact=5]
         [search.verify=0] [search.plot=auto|off]
 
 Every figure comes from the traced full-scale step (abstract values over an abstract mesh,
-as `--plan`): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
-tag's recompute saving; hardware figures from configs/gpus.py (GEMMs at the bf16 rate the
+as the plan): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
+tag's recompute saving; hardware figures from study/gpus.py (GEMMs at the bf16 rate the
 replay uses). For a MoE model each expert-parallel degree (the mesh's expert axis) is traced
 apart, its memory, collectives and all-to-alls its own; the recompute each tag saves is
 traced at the experiment's own degree and used for every degree (FLOPs and all-to-all bytes
 per device barely depend on it). This fast model only ranks; `search.verify=N` compiles the
 best N and the rows registered for the model and ranks those by the replay of their compiled
-programs (analysis/replay.py). `analysis/search.py` holds the model and the search.
+programs (study/replay.py). `study/search.py` holds the model and the search.
 """
 
 import dataclasses
@@ -22,14 +22,15 @@ from pathlib import Path
 
 
 import configs
-from analysis import memory, plan, search
-from analysis.traced import TracedStep
+from study import memory, plan, search
+from study.traced_step import TracedStep
 from configs import LHS, PIPELINED, ConfigError, Experiment
-from configs.gpus import GPUS, Gpu
+from study.gpus import GPUS, Gpu
 from model import families
 from model.config import DeepSeekConfig
-from offload import policies
-from runtime import backend
+from offload import activations
+from runtime.placement import CompiledMemory
+from study.compile_only import pool_bytes
 
 GiB = 2**30
 OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0",
@@ -111,12 +112,12 @@ class Tracer:
         fixed, state = self.remat_plan(batch, expert)
         scans = []
         for s in self.scans:
-            tags = sorted(sites[s], key=lambda v: v.tag != policies.LAYER_INPUT)
+            tags = sorted(sites[s], key=lambda v: v.tag != activations.LAYER_INPUT)
             scans.append(search.Scan(
                 s, layers[s], tuple(search.Tag(
                     v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
                     *(batch * x for x in (self.savings(s, v.tag) if savings else (0, 0))))
-                    if v.tag != policies.LAYER_INPUT else search.Tag(v.tag, v.nbytes, 0, 0, 0)
+                    if v.tag != activations.LAYER_INPUT else search.Tag(v.tag, v.nbytes, 0, 0, 0)
                     for v in tags),
                 none.flops.get((s, "forward"), 0.0) / layers[s],
                 none.flops.get((s, "backward"), 0.0) / layers[s], *remat[s][:1],
@@ -135,7 +136,7 @@ class Tracer:
         step = self.step(batch, expert)
         lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
         gpu = GPUS[self.run.device]
-        planned = memory.plan(step, self.remat, lines, backend.pool_bytes(gpu), gpu.host_memory)
+        planned = memory.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory)
         return planned.peak_estimate - planned.device_optimizer, planned.optimizer
 
 
@@ -158,7 +159,7 @@ _TRACERS: dict[tuple, Tracer] = {}
 def tracer_for(experiment: Experiment) -> Tracer:
     """One Tracer per model and the run settings that change what is traced (placement,
     flags, batch and GPU aside: a tracer sets them), shared by the rows that differ only so."""
-    traced = dataclasses.replace(experiment.run, policy="", placements=None, xla_flags=None,
+    traced = dataclasses.replace(experiment.run, preset="", placement=None, xla_flags=None,
                                  per_device_batch=1, global_batch=0, device="")
     key = (experiment.model, dataclasses.astuple(traced))
     if key not in _TRACERS:
@@ -167,7 +168,7 @@ def tracer_for(experiment: Experiment) -> Tracer:
 
 
 def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
-    tables = policies.placement_tables(row.run.policy, row.run.placements,
+    tables = activations.placement(row.run.preset, row.run.placement,
                                        families.scan_tags(row.model))
     mesh = tracer.mesh(row.run.mesh.expert) if tracer.moe else None
     return search.make_candidate(row.run.per_device_batch, tables, schedule_of(row.run),
@@ -177,7 +178,7 @@ def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
 def hardware(gpu: Gpu, devices: int) -> search.Hardware:
     rate = gpu.peaks["bf16"] * gpu.efficiency.get("bf16", 1.0)
     return search.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices,
-                           backend.pool_bytes(gpu), gpu.host_memory, gpu.network,
+                           pool_bytes(gpu), gpu.host_memory, gpu.network,
                            gpu.domain_size(devices))
 
 
@@ -270,7 +271,7 @@ def placement_text(candidate: search.Candidate, scans) -> str:
     parts = []
     for scan in scans:
         table = candidate.table(scan)
-        kept = [t for t, p in table.items() if p == "device" and t != policies.LAYER_INPUT]
+        kept = [t for t, p in table.items() if p == "device" and t != activations.LAYER_INPUT]
         moved = [t for t, p in table.items() if p == "offload"]
         parts.append(f"{scan}: D[{' '.join(kept)}] H[{' '.join(moved)}]")
     if candidate.optimizer_state == "host":
@@ -304,7 +305,7 @@ def report_lines(result: Result, top: int) -> list[str]:
         f"{sum(p.fits for p in result.ranked)} fit {hw.capacity / GiB:.1f} GiB "
         f"(JAX's pool) and {hw.host_capacity / GiB:.0f} GiB host; {result.seconds:.1f} s",
         f"fast time model (ranking only; search.verify=N replays the compiled programs): dot "
-        f"FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s (the {hw.name}'s bf16 rate, configs/gpus.py), "
+        f"FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s (the {hw.name}'s bf16 rate, study/gpus.py), "
         f"NVLink {hw.nvlink / 1e9:.0f} GB/s, host link {hw.host_link / 1e9:.0f} GB/s each way",
         "GiB per device; TFLOP/s/device by MaxText's formula; seconds per step: recompute, and "
         "exposed host transfers and NVLink collectives; ~: recompute summed per tag (the rest "
@@ -347,14 +348,14 @@ def run_overrides(prediction: search.Prediction, model) -> list[str]:
 class Verified:
     """A candidate or registered row compiled for its GPUs and its step replayed."""
     prediction: search.Prediction  # the fast model's
-    compiled: memory.CompiledMemory
-    replayed: object  # analysis.predicted.StepPrediction
+    compiled: CompiledMemory
+    replayed: object  # study.predicted.StepPrediction
     what: str  # the row's name, or the candidate's overrides
 
 
 def verified_lines(found: list[Verified], capacity: int) -> list[str]:
     """Ranked by the replay of each compiled program; the fast model's figures beside it."""
-    lines = ["verified: compiled for the GPUs and replayed (analysis/replay.py), best first",
+    lines = ["verified: compiled for the GPUs and replayed (study/replay.py), best first",
              f"{'replayed':>9}{'fast':>7}{'study':>7}{'device':>8}{'host':>7}  fit   what "
              "(TFLOP/s/device; GiB per device as compiled)"]
     for v in sorted(found, key=lambda v: -v.replayed.tflops):

@@ -11,10 +11,11 @@ arithmetic, to the bit (tests/test_host_state.py).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-SCOPE = "optimizer_state"  # the named scope of its moves: what analysis/ tells apart from tags
+SCOPE = "optimizer_state"  # the named scope of its moves: what study/ tells apart from tags
 ARRIVAL = "compile_only_arrival"  # see _on_host
 
 
@@ -73,7 +74,7 @@ def _by_layer(adamw, grads, state, params):
 def _on_host(state):
     """The state where it is between steps on a GPU. Compile-only GPUs have no memory kinds
     (jax 0.12.0.1 drops `pinned_host` from their shardings), so there it arrives on the device
-    and is moved first, in named scope ARRIVAL, which analysis/replay.py leaves out."""
+    and is moved first, in named scope ARRIVAL, which study/replay.py leaves out."""
     with jax.named_scope(ARRIVAL):
         return jax.tree.map(lambda x: x if jax.typeof(x).memory_space == HOST
                             else _move(x, HOST), state)
@@ -106,3 +107,18 @@ def _join(state, pieces, params):
         lambda node, *cut: ({k: v for piece in cut for k, v in piece.items()}
                             if _is_copy(params)(node) else cut[0]),
         state, *pieces, is_leaf=_is_copy(params))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def moment_bytes(opt_state) -> int:
+    """Per device, the optimizer state's moments (its leaves but the 0-d step counts): what
+    optimizer_state=host keeps in host memory."""
+    return per_device_bytes([x for x in jax.tree.leaves(opt_state) if x.ndim])

@@ -1,5 +1,5 @@
 """Step time from the compiled, scheduled GPU program: XLA's schedule replayed on one GPU's
-figures (configs/gpus.py, sources in docs/hardware.md).
+figures (study/gpus.py, sources in docs/hardware.md).
 
 The optimized HLO of a GPU compile is scheduled (`is_scheduled=true`): each computation's
 instruction order is the order its work is issued on the GPU. The replay walks the entry
@@ -27,9 +27,9 @@ import json
 import math
 import re
 
-from analysis import hlo
-from configs.gpus import Gpu
-from trainer.host_state import ARRIVAL
+from study import hlo
+from study.gpus import Gpu
+from offload.optimizer_state import ARRIVAL
 
 STREAMS = ("compute", "collectives", "to host", "from host", "async compute")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",

@@ -1,12 +1,13 @@
-"""What `--compile` predicts of a step: the replay of its compiled schedule (analysis/replay.py)
-as printed lines and as the run folder's compiled.json and timeline.json."""
+"""What `python -m study compile` predicts of a step: the replay of its compiled schedule
+(study/replay.py) as printed lines and as the run folder's compiled.json and timeline.json."""
 
 import dataclasses
 import json
 from pathlib import Path
 
-from analysis import hlo, memory, replay
-from configs.gpus import Gpu
+from study import hlo, memory, replay
+from study.gpus import Gpu
+from runtime.placement import CompiledMemory
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ def lines(p: StepPrediction) -> list[str]:
     exposed = ", ".join(f"{k} {v:.2f} s" for k, v in r.exposed.items() if v >= 0.005) or "none"
     busy = ", ".join(f"{k} {v:.2f} s" for k, v in r.busy.items() if k != "compute" and v >= 0.005)
     return [
-        f"step time (replayed from the compiled schedule, analysis/replay.py): {r.step_s:.2f} s, "
+        f"step time (replayed from the compiled schedule, study/replay.py): {r.step_s:.2f} s, "
         f"{p.tflops:,.0f} TFLOP/s/device (MaxText's formula){study}",
         f"  compute stream {r.step_s:.2f} s: GEMM-bound kernels {r.gemm_s:.2f} s, waiting on "
         f"other streams (exposed) {exposed}; critical: {r.critical()}",
@@ -120,7 +121,7 @@ def lines(p: StepPrediction) -> list[str]:
     ]
 
 
-def record(p: StepPrediction, compiled: memory.CompiledMemory, plan: memory.MemoryPlan) -> dict:
+def record(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan) -> dict:
     """compiled.json: the compiled memory beside the plan, and the predicted step."""
     r = p.result
     return {
@@ -141,7 +142,7 @@ def record(p: StepPrediction, compiled: memory.CompiledMemory, plan: memory.Memo
     }
 
 
-def write(p: StepPrediction, compiled: memory.CompiledMemory, plan: memory.MemoryPlan,
+def write(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan,
           folder: Path, title: str) -> None:
     (folder / "compiled.json").write_text(json.dumps(record(p, compiled, plan), indent=2))
     replay.write_timeline(p.result, title, folder / "timeline.json")

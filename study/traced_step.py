@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
-from analysis import placement, trace
+from study import jaxpr, placement
 from configs import MESH_AXES, RunConfig
 from model import common, families, quant
-from trainer import build
+from trainer import program as build
 from trainer.step import make_optimizer
 from trainer.target import ANY, forward_options
 
@@ -78,10 +78,10 @@ class TracedStep:
         return lambda params, batch: loss(params, batch)[0]
 
     @property
-    def sites(self) -> list[trace.Tagged]:
+    def sites(self) -> list[jaxpr.Tagged]:
         """Every `checkpoint_name` site, per device and per layer, in scan order."""
         def make():
-            found = trace.tagged_values(self.local_loss(None), self.local_params,
+            found = jaxpr.tagged_values(self.local_loss(None), self.local_params,
                                         self.local_batch)
             sites = [v for values in found.values() for v in values]
             return sorted(sites, key=lambda v: self.scans.index(v.scan))
@@ -95,32 +95,32 @@ class TracedStep:
         return self._once("needed", None, lambda: {
             (v.scan, v.tag) for v in self.moved(everything)})
 
-    def moved(self, tables: dict | None) -> list[trace.Tagged]:
+    def moved(self, tables: dict | None) -> list[jaxpr.Tagged]:
         """The values one device's step moves to host memory under `tables`."""
         return self._once("moved", tables, lambda: [
-            v for found in trace.offloaded_tags(jax.grad(self.local_loss(tables)),
+            v for found in jaxpr.offloaded_tags(jax.grad(self.local_loss(tables)),
                                                 self.local_params, self.local_batch).values()
             for v in found])
 
-    def residuals(self, tables: dict | None) -> list[trace.Residual]:
+    def residuals(self, tables: dict | None) -> list[jaxpr.Residual]:
         """What one device's backward pass keeps from its forward pass under `tables`."""
-        return self._once("residuals", tables, lambda: trace.saved_residuals(
+        return self._once("residuals", tables, lambda: jaxpr.saved_residuals(
             self.local_loss(tables), self.local_params, self.local_batch))
 
     def exported(self, tables: dict | None) -> set[tuple[str, str]]:
         """(scan, tag) of what the sharded step, exported for a GPU, offloads under `tables`
-        (checked against the traced program: analysis/placement.py)."""
+        (checked against the traced program: study/placement.py)."""
         def make():
             step = build.make_step(self.model, self.run, tables, self.rules, self.optimizer,
                                    ANY)
             return placement.verify_offloads(step, self.state, self.batch)
         return self._once("exported", tables, make)
 
-    def work(self, tables: dict | None) -> trace.Work:
+    def work(self, tables: dict | None) -> jaxpr.Work:
         """Dot FLOPs and all-to-all bytes of the sharded gradient under `tables`, per device."""
         def make():
             loss = build.make_loss(self.model, self.run, tables, self.rules, ANY)
-            return trace.work(jax.grad(lambda p, b: loss(p, b)[0]), self.state["params"],
+            return jaxpr.work(jax.grad(lambda p, b: loss(p, b)[0]), self.state["params"],
                               self.batch, devices=self.devices)
         return self._once("work", tables, make)
 

@@ -1,5 +1,6 @@
-"""A train step built: its sharded abstract state and batch, its loss with the run's
-placement tables and kernels, and the step compiled ahead of time for a target."""
+"""The train step as a program: its mesh, sharded abstract state and batch, its loss with
+the run's placement and kernels, jitted, and compiled ahead of time for a target. The study
+tools (study/) build on these functions; nothing here knows of them."""
 
 from functools import partial
 
@@ -10,17 +11,17 @@ import optax
 
 from configs import MESH_AXES, ConfigError, RunConfig
 from model import common, families, quant
-from offload import policies
+from offload import activations
+from offload.optimizer_state import host_update
 from runtime.backend import explained_compile
-from trainer.host_state import host_update
 from trainer.step import device_update, loss_fn, optimizer_parts, train_step
-from trainer.target import Target, compiler_options, forward_options, kernel_checks
+from trainer.target import Target, compiler_options, forward_options
 
 
 def make_mesh(run: RunConfig, devices) -> jax.sharding.Mesh:
     """The run's data x fsdp x expert mesh over `devices` in their order: the expert axis
-    innermost, so each expert group is mesh.expert consecutive devices (`--compile` checks
-    every exchange's devices against the GPUs' NVLink domains: analysis/predicted.py)."""
+    innermost, so each expert group is mesh.expert consecutive devices: neighbours, inside one
+    NVLink domain when processes take consecutive ranks by host (docs/model.md)."""
     shape = run.mesh.shape(len(devices))
     return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
@@ -67,42 +68,43 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
     return []
 
 
-def make_loss(model, run: RunConfig, tables: dict | None, rules, target: Target):
+def make_loss(model, run: RunConfig, placement: dict | None, rules, target: Target):
     """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
     alone: under expert parallelism (run.mesh.expert > 1) its parameters then hold only that
-    device's E/mesh.expert routed experts (as analysis/traced.py makes them)."""
-    return partial(loss_fn, model=model, policies=policies.checkpoint_policies(tables),
+    device's E/mesh.expert routed experts (as study/traced_step.py makes them)."""
+    return partial(loss_fn, model=model, policies=activations.checkpoint_policies(placement),
                    rules=rules, dtype=jnp.dtype(run.compute_dtype),
                    balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks,
                    **forward_options(model, run, target))
 
 
-def make_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
+def make_step(model, run: RunConfig, placement: dict | None, rules, optimizer, target: Target):
     """The jitted train step, its state donated."""
     if run.optimizer_state == "host":
         adamw = optimizer_parts(run.optimizer, run.steps)[1]
         update = host_update(run.optimizer.clip_norm, adamw, families.of(model).SCANS)
     else:
         update = device_update(optimizer)
-    step = partial(train_step, loss=make_loss(model, run, tables, rules, target),
+    step = partial(train_step, loss=make_loss(model, run, placement, rules, target),
                    update=update, router_bias_rate=run.router_bias_rate,
                    expert_devices=run.mesh.expert, seed=run.seed)
     return jax.jit(step, donate_argnums=0)
 
 
-def compile_step(model, run: RunConfig, tables: dict | None, rules, optimizer, target: Target):
-    """The train step as `target` runs it, compiled ahead of time from the abstract state and
-    batch on `rules.mesh` (nothing allocated): a run calls it with its own devices, `--compile`
-    and the tests with compile-only GPUs, so both compile the same program."""
-    step = make_step(model, run, tables, rules, optimizer, target)
-    n_devices = rules.mesh.devices.size
-    with kernel_checks(target):
-        lowered = step.lower(abstract_state(model, run, rules, optimizer),
-                             abstract_batch(run, rules, n_devices))
+def compile_step(model, run: RunConfig, placement: dict | None, rules, optimizer,
+                 target: Target, extra_options: dict | None = None):
+    """(the traced step's jaxpr, the step compiled ahead of time) as `target` runs it, from the
+    abstract state and batch on `rules.mesh` (nothing allocated): a run compiles for its own
+    devices, the study tools for compile-only GPUs (with `extra_options`), the same program."""
+    step = make_step(model, run, placement, rules, optimizer, target)
+    traced = step.trace(abstract_state(model, run, rules, optimizer),
+                        abstract_batch(run, rules, rules.mesh.devices.size))
     try:
         with explained_compile():
-            return lowered.compile(compiler_options(run, target))
+            compiled = traced.lower().compile({**compiler_options(run, target),
+                                               **(extra_options or {})})
     except jax.errors.JaxRuntimeError as e:
         if "compile option" in str(e):  # an XLA flag this jaxlib does not know
             raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
         raise
+    return traced.jaxpr, compiled

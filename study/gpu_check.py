@@ -1,19 +1,19 @@
 """The study's four Llama rows on one GPU, at 405B width, with offloaded gradients checked.
 
-    python benchmarks/gpu_check.py           one GPU (e.g. an H200): a few minutes
+    python -m study gpu-check           one GPU (e.g. an H200): a few minutes
                                              (jax[cuda12]==0.12.0.1 in .venv, README)
-    python benchmarks/gpu_check.py --smoke   tiny shapes on any backend (the CPU test of this)
+    python -m study gpu-check --smoke   tiny shapes on any backend (the CPU test of this)
 
 1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
-   #46231): for each row's policy, XLA flags and NVFP4 weights, loss and gradients at f32 /
+   #46231): for each row's placement, XLA flags and NVFP4 weights, loss and gradients at f32 /
    highest matmul precision against no checkpointing, over several scanned layers, beside
-   the addressing proof of the same compiled program (analysis/addressing.py: the two must
+   the addressing proof of the same compiled program (study/addressing.py: the two must
    agree); NVFP4 logits on this backend against the CPU's (and the FP4 path on Blackwell).
 2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
    proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:
    step time (forward + backward), TFLOP/s/device by MaxText's formula, peak device memory,
    the compiled program's host (pinned) bytes, and beside the measured step the replay of the
-   same compiled program (analysis/replay.py): the time model's error on this GPU.
+   same compiled program (study/replay.py): the time model's error on this GPU.
 """
 
 import dataclasses
@@ -25,21 +25,19 @@ import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime import backend  # noqa: E402,F401  (before JAX: it sets the GPU memory fraction the trainer uses)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import configs  # noqa: E402
+import configs
 
-from model import common, llama, quant  # noqa: E402
-from analysis import addressing, hlo, replay  # noqa: E402
-from configs.gpus import GPUS  # noqa: E402
-from offload import policies  # noqa: E402
-from trainer import step as trainer_step  # noqa: E402
-from trainer import target as trainer_target  # noqa: E402
+from model import common, llama, quant
+from study import addressing, hlo, replay
+from study.gpus import GPUS
+from offload import activations
+from trainer import step as trainer_step
+from trainer import target as trainer_target
 
 ROWS = configs.COMPARISONS["llama405b-compare"]
 WIDE = dataclasses.replace(configs.get("llama405b-offload").model, n_layers=3)
@@ -52,15 +50,15 @@ def value_and_grad_fn(model, tables, dtype, run):
     cuDNN's fused attention on a GPU in bf16, the run's NVFP4 path), with the run's flags."""
     target = trainer_target.this_machine()
     run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name)
-    loss = partial(trainer_step.loss_fn, model=model, policies=policies.checkpoint_policies(tables),
-                   rules=None, dtype=dtype, **trainer_target.forward_options(model, run, target))
+    loss = partial(trainer_step.loss_fn, model=model,
+                   policies=activations.checkpoint_policies(tables), rules=None, dtype=dtype,
+                   **trainer_target.forward_options(model, run, target))
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
                    compiler_options=trainer_target.compiler_options(run, target) or None)
 
 
 def row_tables(name: str):
-    return policies.placement_tables(configs.get(name).run.policy, {},
-                                     llama.SCANS)
+    return activations.placement(configs.get(name).run.preset, {}, llama.SCANS)
 
 
 def random_params(model, dtype):
@@ -71,7 +69,7 @@ def random_params(model, dtype):
 
 
 def check_gradients(smoke: bool) -> list[dict]:
-    """Every row's policy and flags against no checkpointing, in f32."""
+    """Every row's placement and flags against no checkpointing, in f32."""
     model = SMOKE if smoke else dataclasses.replace(WIDE, d_model=2048, d_ff=6656, n_heads=16,
                                                     n_layers=6, vocab=32_768)
     params = random_params(model, jnp.float32)
@@ -185,8 +183,10 @@ def main(argv: list[str]) -> int:
     print("\n".join(nvfp4))
     rows = []
     for name in ROWS:
-        args = [sys.executable, __file__, "--row", name] + (["--smoke"] if smoke else [])
-        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        args = [sys.executable, "-m", "study", "gpu-check", "--row", name] + (
+            ["--smoke"] if smoke else [])
+        out = subprocess.run(args, capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent.parent).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     keys = ["step_ms", "replayed_ms", "replay_error", "tflops_per_device", "peak_device_gib",
             "host_temp_gib", "device_temp_gib", "compile_s"]
@@ -195,12 +195,7 @@ def main(argv: list[str]) -> int:
         print(f"{r['row']:<30}" + "".join(f"{r[k]:>18.2f}" for k in keys))
     print(f"(L={rows[0]['layers']}, seq {rows[0]['seq']}, batch {rows[0]['batch']}; forward + "
           "backward, no optimizer; TFLOP/s by MaxText's formula; replayed_ms: the same compiled "
-          "program replayed on configs/gpus.py's figures, nan off a known GPU)")
+          "program replayed on study/gpus.py's figures, nan off a known GPU)")
     proven = all(v == addressing.CHECKED for r in correctness for v in r["addressing"])
     return 0 if all(r["ok"] for r in correctness) and proven and not any(
         "WRONG" in line for line in nvfp4) else 1
-
-
-if __name__ == "__main__":
-    np.set_printoptions(precision=3)
-    sys.exit(main(sys.argv[1:]))

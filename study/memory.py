@@ -11,27 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from analysis import placement
-from analysis.addressing import Proof
-from analysis.trace import Residual, Tagged
-from analysis.traced import TracedStep
+from study import placement
+from study.addressing import Proof
+from study.jaxpr import Residual, Tagged
+from study.traced_step import TracedStep
 from configs import PIPELINED
 from model.common import ParamSpec
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
-        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
-def moment_bytes(opt_state) -> int:
-    """Per device, the optimizer state's moments (its leaves but the 0-d step counts): what
-    optimizer_state=host keeps in host memory."""
-    return per_device_bytes([x for x in jax.tree.leaves(opt_state) if x.ndim])
+from offload.optimizer_state import per_device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +44,7 @@ class MemoryPlan:
     capacity: int  # device memory
     host_capacity: int  # host memory per device
     matrices: tuple[int, int] | None = None  # NVFP4 layer matrices: compute dtype, as NVFP4
-    optimizer_on_host: bool = False  # optimizer_state=host (trainer/host_state.py)
+    optimizer_on_host: bool = False  # optimizer_state=host (offload/optimizer_state.py)
     transposed_weights: int = 0  # stacked weights XLA copies for the whole step (plan())
     pipelined: int = 0  # offloaded tensors pipelined host offloading holds a layer longer
 
@@ -116,34 +102,6 @@ def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
             r = dataclasses.replace(r, shape=(r.shape[0] // shards, *r.shape[1:]))
         kept.append(r)
     return kept
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-    """One device's memory in a compiled program, as XLA's `memory_analysis()` gives it."""
-    arguments: int
-    outputs: int
-    aliased: int  # outputs written over donated arguments
-    temporaries: int
-    host: int  # in pinned host memory: offloaded activations, the optimizer state on host
-    arrived: int = 0  # host state a compile-only program takes as device arguments
-
-    @classmethod
-    def of(cls, compiled, arrived: int = 0) -> "CompiledMemory":
-        """`arrived`: the bytes of the optimizer state on host (optimizer_state=host) that a
-        program compiled for compile-only GPUs takes as device arguments (they have no memory
-        kinds): on a GPU they arrive in host memory, so they are moved from device to host."""
-        stats = compiled.memory_analysis()
-        host = (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
-                - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
-        return cls(stats.argument_size_in_bytes - arrived, stats.output_size_in_bytes,
-                   stats.alias_size_in_bytes, stats.temp_size_in_bytes, host, arrived)
-
-    @property
-    def device(self) -> int:
-        """What the program holds in device memory at once. (XLA's own peak figure counts the
-        host buffers too.)"""
-        return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
 def host_state_buffers(step: TracedStep) -> set[tuple]:

@@ -4,67 +4,20 @@ Functions here take a function and (possibly abstract) arguments, never a model.
 """
 
 import dataclasses
-import re
 from collections import Counter
-from collections.abc import Iterator
 
 import jax
 import numpy as np
 # saved_residuals is what the public jax.ad_checkpoint.print_saved_residuals prints from.
 from jax._src import ad_checkpoint
-from jax.extend import core as jex_core
 
-
-@dataclasses.dataclass(frozen=True)
-class Tagged:
-    """One `checkpoint_name` site: its value's shape and dtype, and how often it runs."""
-    tag: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    count: int  # the product of the enclosing scans' lengths: the layer count in a layer scan
-    scan: str  # the named scope of the innermost enclosing scan ("" outside any scan)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize  # also a PRNG key's
-
-
-def _sub_jaxprs(eqn) -> Iterator[jex_core.Jaxpr]:
-    for param in eqn.params.values():
-        for value in param if isinstance(param, (list, tuple)) else (param,):
-            if isinstance(value, jex_core.ClosedJaxpr):
-                yield value.jaxpr
-            elif isinstance(value, jex_core.Jaxpr):
-                yield value
-
-
-def _scope(name_stack: str) -> str:
-    """The innermost named scope, without autodiff's wrappers: "jvp(moe_layers)" -> "moe_layers"."""
-    scope = name_stack.split("/")[-1]
-    while (wrapped := re.fullmatch(r"\w+\((.*)\)", scope)) is not None:
-        scope = wrapped.group(1)
-    return scope
-
-
-def _walk(jaxpr, count=1, scan="") -> Iterator[tuple[jex_core.JaxprEqn, int, str, dict]]:
-    """Every equation with its run count, enclosing scan's scope, and the producers of its
-    jaxpr's variables."""
-    producers = {}
-    for eqn in jaxpr.eqns:
-        yield eqn, count, scan, producers
-        producers.update({v: eqn for v in eqn.outvars})
-        inner, inner_scan = count, scan
-        if eqn.primitive.name == "scan":
-            inner *= eqn.params["length"]
-            inner_scan = _scope(str(eqn.source_info.name_stack))
-        for sub in _sub_jaxprs(eqn):
-            yield from _walk(sub, inner, inner_scan)
+from runtime.placement import Tagged, offloaded_in, scope, sub_jaxprs, walk
 
 
 def tagged_values(fn, *args) -> dict[str, list[Tagged]]:
     """tag -> every `checkpoint_name` site with that tag, in trace order."""
     found: dict[str, list[Tagged]] = {}
-    for eqn, count, scan, _ in _walk(jax.make_jaxpr(fn)(*args).jaxpr):
+    for eqn, count, scan, _ in walk(jax.make_jaxpr(fn)(*args).jaxpr):
         if eqn.primitive.name == "name":
             aval, tag = eqn.invars[0].aval, eqn.params["name"]
             found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
@@ -80,34 +33,19 @@ def offloaded_tags(fn, *args) -> dict[str, list[Tagged]]:
     return offloaded_in(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-def offloaded_in(jaxpr) -> dict[str, list[Tagged]]:
-    """`offloaded_tags` of a jaxpr already traced."""
-    found: dict[str, list[Tagged]] = {}
-    for eqn, count, scan, producers in _walk(jaxpr):
-        if eqn.primitive.name != "device_put":
-            continue
-        if not any("host" in str(d).lower() for d in eqn.params["devices"]):
-            continue
-        source = producers.get(eqn.invars[0])
-        if source is not None and source.primitive.name == "name":
-            aval, tag = eqn.invars[0].aval, source.params["name"]
-            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
-    return found
-
-
-def moves_in(jaxpr, scope: str, inside: bool = False) -> Counter:
+def moves_in(jaxpr, named: str, inside: bool = False) -> Counter:
     """(memory kind "pinned_host" or "device", shape, dtype) of every value a `device_put`
-    inside named scope `scope` moves (e.g. the optimizer state's, trainer/host_state.py). A
+    inside named scope `named` moves (e.g. the optimizer state's, offload/optimizer_state.py). A
     sub-jaxpr's name stacks start afresh: being inside is inherited from its equation."""
     found = Counter()
     for eqn in jaxpr.eqns:
-        here = inside or scope in str(eqn.source_info.name_stack)
+        here = inside or named in str(eqn.source_info.name_stack)
         if here and eqn.primitive.name == "device_put":
             for var, where in zip(eqn.invars, eqn.params["devices"]):
                 kind = "pinned_host" if "host" in str(where).lower() else "device"
                 found[kind, var.aval.shape, str(var.aval.dtype)] += 1
-        for sub in _sub_jaxprs(eqn):
-            found += moves_in(sub, scope, here)
+        for sub in sub_jaxprs(eqn):
+            found += moves_in(sub, named, here)
     return found
 
 
@@ -175,9 +113,9 @@ def work(fn, *args, devices: int) -> Work:
             inner = (count, scan, backward, 0 if eqn.primitive.name == "shard_map" else share)
             if eqn.primitive.name == "scan":
                 stack = str(eqn.source_info.name_stack).split("/")[-1]
-                inner = (count * eqn.params["length"], _scope(stack) or scan,
+                inner = (count * eqn.params["length"], scope(stack) or scan,
                          backward or stack.startswith("transpose("), share)
-            for sub in _sub_jaxprs(eqn):
+            for sub in sub_jaxprs(eqn):
                 visit(sub, *inner[:3], inner[3] or 1.0)
 
     visit(jax.make_jaxpr(fn)(*args).jaxpr, 1, "", False, 1.0 / devices)

@@ -1,0 +1,174 @@
+"""Where a run's tagged activations live, read off its own program: the values its traced step
+tags in each layer scan and moves to host memory, and the host buffers and device memory of
+the program XLA compiled from it. Before the first step on a GPU, a probe checks that this
+jax reads offloaded activations back in the right layer order.
+"""
+
+import dataclasses
+import re
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jex_core
+
+GiB, MiB = 2**30, 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Tagged:
+    """One `checkpoint_name` site: its value's shape and dtype, and how often it runs."""
+    tag: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    count: int  # the product of the enclosing scans' lengths: the layer count in a layer scan
+    scan: str  # the named scope of the innermost enclosing scan ("" outside any scan)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize  # also a PRNG key's
+
+
+def sub_jaxprs(eqn) -> Iterator[jex_core.Jaxpr]:
+    for param in eqn.params.values():
+        for value in param if isinstance(param, (list, tuple)) else (param,):
+            if isinstance(value, jex_core.ClosedJaxpr):
+                yield value.jaxpr
+            elif isinstance(value, jex_core.Jaxpr):
+                yield value
+
+
+def scope(name_stack: str) -> str:
+    """The innermost named scope, without autodiff's wrappers: "jvp(moe_layers)" -> "moe_layers"."""
+    innermost = name_stack.split("/")[-1]
+    while (wrapped := re.fullmatch(r"\w+\((.*)\)", innermost)) is not None:
+        innermost = wrapped.group(1)
+    return innermost
+
+
+def walk(jaxpr, count=1, scan="") -> Iterator[tuple[jex_core.JaxprEqn, int, str, dict]]:
+    """Every equation with its run count, enclosing scan's scope, and the producers of its
+    jaxpr's variables."""
+    producers = {}
+    for eqn in jaxpr.eqns:
+        yield eqn, count, scan, producers
+        producers.update({v: eqn for v in eqn.outvars})
+        inner, inner_scan = count, scan
+        if eqn.primitive.name == "scan":
+            inner *= eqn.params["length"]
+            inner_scan = scope(str(eqn.source_info.name_stack))
+        for sub in sub_jaxprs(eqn):
+            yield from walk(sub, inner, inner_scan)
+
+
+def offloaded_in(jaxpr) -> dict[str, list[Tagged]]:
+    """tag -> the values a traced step moves to host memory straight from that tag: a
+    checkpoint policy that offloads a name puts a `device_put` to host after its equation."""
+    found: dict[str, list[Tagged]] = {}
+    for eqn, count, scan, producers in walk(jaxpr):
+        if eqn.primitive.name != "device_put":
+            continue
+        if not any("host" in str(d).lower() for d in eqn.params["devices"]):
+            continue
+        source = producers.get(eqn.invars[0])
+        if source is not None and source.primitive.name == "name":
+            aval, tag = eqn.invars[0].aval, source.params["name"]
+            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """One device's memory in a compiled program, as XLA's `memory_analysis()` gives it."""
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written over donated arguments
+    temporaries: int
+    host: int  # in pinned host memory: offloaded activations, the optimizer state on host
+    arrived: int = 0  # host state a compile-only program takes as device arguments
+
+    @classmethod
+    def of(cls, compiled, arrived: int = 0) -> "CompiledMemory":
+        """`arrived`: the bytes of the optimizer state on host (optimizer_state=host) that a
+        program compiled for compile-only GPUs takes as device arguments (they have no memory
+        kinds): on a GPU they arrive in host memory, so they are moved from device to host."""
+        stats = compiled.memory_analysis()
+        host = (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
+                - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
+        return cls(stats.argument_size_in_bytes - arrived, stats.output_size_in_bytes,
+                   stats.alias_size_in_bytes, stats.temp_size_in_bytes, host, arrived)
+
+    @property
+    def device(self) -> int:
+        """What the program holds in device memory at once. (XLA's own peak figure counts the
+        host buffers too.)"""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+# A stacked host buffer of a compiled GPU program: `bf16[L, ...]{...:S(5)}` (memory space 5,
+# pinned host), made by an AllocateBuffer custom call.
+_HOST_BUFFER = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*S\(5\)\} custom-call\(\), "
+                          r'custom_call_target="AllocateBuffer"')
+_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "s32": "int32"}
+
+
+def host_buffers(hlo_text: str) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of every stacked host buffer of a compiled GPU program."""
+    return [(tuple(int(d) for d in dims.split(",") if d), _DTYPES.get(dtype, dtype))
+            for dtype, dims in _HOST_BUFFER.findall(hlo_text)]
+
+
+def _size(n: int) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
+
+
+def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) -> list[str]:
+    """Per offloaded tag (per scan) its value per layer, per device, and where the compiled
+    program keeps it: a stacked host buffer (GPU), or device memory (a CPU drops host
+    placements when it compiles)."""
+    buffers = host_buffers(hlo_text) if hlo_text is not None else []
+    out = []
+    for value in sorted((v for sites in offloaded.values() for v in sites),
+                        key=lambda v: (v.scan, v.tag)):
+        stacked = ((value.count, *value.shape), str(value.dtype))
+        if hlo_text is None:
+            where = "device memory: this backend drops host placements"
+        elif stacked in buffers:
+            buffers.remove(stacked)
+            where = f"host memory, stacked over {value.count} layers"
+        else:
+            where = "NOT in host memory in the compiled program"
+        shape = "x".join(map(str, value.shape))
+        out.append(f"{value.scan:<13}{value.tag:<20}{shape:<22}{_size(value.nbytes):>9}  {where}")
+    return out
+
+
+def _probe_layer(x, w):
+    y = checkpoint_name(jnp.sin(x * w), "probe")
+    return x + jnp.cos(y) * w, None
+
+
+def _probe_gradient(policy, weights, x):
+    layer = _probe_layer if policy is None else jax.checkpoint(_probe_layer, policy=policy,
+                                                               prevent_cse=False)
+    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(layer, x, w)[0])))(weights)
+
+
+def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
+    """Whether this backend's jax reads offloaded activations back from the layer that wrote
+    them: the gradient of a scan whose layers each offload one value equals the gradient kept
+    on the device. jaxlib 0.10.2 and 0.11.0 read them back in the wrong order on GPUs
+    (openxla/xla #46231): every layer would get another layer's activation."""
+    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["probe"],
+        offload_src="device", offload_dst="pinned_host")
+    keys = jax.random.split(jax.random.key(0), 2)
+    weights = jax.random.normal(keys[0], (layers, 8, 128), jnp.float32)
+    x = jax.random.normal(keys[1], (8, 128), jnp.float32)
+    kept, offloaded = (np.asarray(jax.jit(gradient, static_argnums=0)(p, weights, x))
+                       for p in (None, offload))
+    return bool(np.allclose(offloaded, kept, rtol=1e-4, atol=1e-5))

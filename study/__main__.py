@@ -1,0 +1,66 @@
+"""The study tools: what the trainer's step does at full scale, examined without running it.
+
+    python -m study plan EXPERIMENT [key=value ...]     its full-scale memory plan per GPU
+    python -m study compile EXPERIMENT [key=value ...]  its full-scale step compiled for its
+                                                        GPUs (device=...) without a GPU, the
+                                                        step replayed from the schedule
+    python -m study search EXPERIMENT [key=value ...]   placements ranked by predicted memory
+                                                        and step time (search_report.py)
+    python -m study step-times [--hlo DIR] [EXPERIMENT ...]   every row replayed vs the study
+    python -m study compile-table [EXPERIMENT ...]      every row's compiled memory
+    python -m study bench [EXPERIMENT ...]              proxy step time on this machine
+    python -m study checkpoint-bench                    checkpoint save and restore costs
+    python -m study gpu-check [--smoke]                 gradients and step times on a real GPU
+
+A comparison (llama405b-compare) plans, compiles or searches each of its rows. Any mistake is
+one line and exit status 2, before anything is traced or compiled.
+"""
+
+from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
+
+import sys
+
+import configs
+from configs import ConfigError
+from runtime.backend import BackendError
+from runtime.data import DataError
+from hf.safetensors import CheckpointError
+from trainer.target import this_machine
+
+ROWS = ("plan", "compile", "search")  # modes that take one experiment (or a comparison)
+TOOLS = ("step-times", "compile-table", "bench", "checkpoint-bench", "gpu-check")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    mode, rest = argv[0], argv[1:]
+    try:
+        if mode in TOOLS:
+            import importlib  # each tool is a module with its own main(argv)
+            return importlib.import_module(f"study.{mode.replace('-', '_')}").main(rest)
+        if mode not in ROWS:
+            raise ConfigError(f"unknown study mode {mode!r}; the modes are "
+                              f"{', '.join([*ROWS, *TOOLS])}")
+        if not rest or rest[0].startswith("-"):
+            raise ConfigError(f"usage: python -m study {mode} EXPERIMENT [key=value ...]")
+        name, args = rest[0], rest[1:]
+        if name not in configs.COMPARISONS:
+            configs.get(name)  # an unknown experiment is one line
+        if flags := [a for a in args if a.startswith("-")]:
+            raise ConfigError(f"unknown flag {flags[0]!r}: after the experiment come "
+                              "key=value words only")
+        configs.parse_overrides(args)  # a word that is not key=value, before JAX starts
+        this_machine()  # starts JAX's backend (quietly: runtime/backend.py)
+        from study import cli
+        for member in configs.COMPARISONS.get(name, (name,)):
+            getattr(cli, mode)(member, args)
+        return 0
+    except (ConfigError, DataError, CheckpointError, BackendError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""The study's per-experiment modes (`python -m study plan|compile|search EXPERIMENT`): each
+resolves the experiment at full scale through the trainer's own settings (runtime/setup.py),
+whatever the machine, and writes only where a run would (out_dir, checked first)."""
+
+import dataclasses
+import time
+
+import jax
+
+import configs
+from model import families
+from runtime import checkpoints, report
+from runtime.setup import Setup, resolve
+from study import plan as plans, predicted, search_report
+from study.compile_only import compile_only
+from study.compiled import compile_row
+from study.gpus import GPUS
+
+
+def check_out_dir(setup: Setup) -> None:
+    """out_dir for a mode that writes into it (compile, search's picture), checked as a run
+    checks it (checkpoints.check_outputs), before anything is traced or compiled. These modes
+    neither checkpoint nor resume: checkpoint_dir and resume are not theirs to check."""
+    run = dataclasses.replace(setup.run, checkpoint_dir="", resume="")
+    checkpoints.check_outputs(dataclasses.replace(setup, run=run), 0)
+
+
+def plan(name: str, args: list[str]) -> None:
+    """The experiment's full-scale memory plan and placement list (overrides applied)."""
+    setup = resolve(name, args, full=True)
+    started = time.perf_counter()
+    memory_plan = plans.full_scale(setup.experiment, setup.placement)
+    print("\n".join(plans.plan_lines(name, setup.run, memory_plan)))
+    print(f"(planned in {time.perf_counter() - started:.1f} s from abstract values: nothing "
+          "allocated; offloads read from the step exported for a GPU)")
+
+
+def _replayed(row, name: str, **options) -> predicted.StepPrediction:
+    model, run = row.setup.model, row.setup.run
+    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
+    return predicted.predict(row.hlo, row.gpu, len(row.built.target.devices), flops,
+                             configs.STUDY_TFLOPS.get(name), **options)
+
+
+def compile(name: str, args: list[str]) -> None:
+    """The experiment's full-scale step compiled for its GPUs (`device`) on compile-only
+    devices, through the trainer's `build` as a run on them would: XLA's memory beside the
+    static plan, and the step's time replayed from the compiled schedule (into a run folder:
+    compiled.json, timeline.json)."""
+    setup = resolve(name, args, full=True)
+    check_out_dir(setup)
+    row = compile_row(setup)
+    run, gpu, target = setup.run, row.gpu, row.built.target
+    print(f"compiled: {name} at full scale for {target.description}, "
+          f"topology {gpu.topology(len(target.devices))}, mesh {dict(row.mesh.shape)}, "
+          f"{report.model_line(setup.model)}; in {row.built.compile_s:.1f} s")
+    print(f"xla flags: {report.flags_line(run, target)} (compile-only devices also set "
+          "xla_gpu_enable_cub_radix_sort=False xla_gpu_autotune_level=0: "
+          f"study/compile_only.py); kernels: {report.kernels_line(setup.model, run, target)}")
+    print("\n".join(plans.plan_lines(name, run, row.full_plan)))
+    compiled = row.compiled_memory()
+    print("\n".join(plans.compiled_lines(compiled, row.full_plan, gpu)))
+    prediction = _replayed(row, name, keep_slices=True,
+                           device_ids=[d.id for d in row.mesh.devices.flat])
+    print("\n".join(predicted.lines(prediction)))
+    print(predicted.exchange_line(prediction.exchanges))
+    if jax.process_index() == 0:
+        folder = report.new_run_dir(run.out_dir, f"{name}-compile")
+        predicted.write(prediction, compiled, row.full_plan, folder, name)
+        print(f"wrote {folder}/compiled.json and {folder}/timeline.json (a Perfetto trace: "
+              "ui.perfetto.dev)")
+
+
+def search(name: str, args: list[str]) -> None:
+    """The experiment's placements ranked by predicted memory and step time on its `device`;
+    `search.verify=N` compiles the best N and the model's registered rows for those GPUs
+    and ranks them by the replay of their compiled programs."""
+    args, options = search_report.split_options(args)
+    setup = resolve(name, args, full=True)
+    if options["plot"] != "off":
+        check_out_dir(setup)
+    result = search_report.run_search(setup.experiment, options, time.perf_counter)
+    print("\n".join(search_report.report_lines(result, int(options["top"]))))
+    if options["plot"] != "off" and jax.process_index() == 0:  # one picture per launch
+        print(search_report.write_plot(result, setup.run.out_dir))
+    if not (verify := int(options["verify"])):
+        return
+    gpu = GPUS[setup.run.device]
+    target = compile_only(gpu, setup.run.mesh.devices)
+    rows = {tuple(search_report.run_overrides(p, setup.model)) for p in result.rows}
+    todo = [(p, name, [*args, *search_report.run_overrides(p, setup.model)])
+            for p in result.ranked[:verify]
+            if tuple(search_report.run_overrides(p, setup.model)) not in rows]  # one compile each
+    todo += [(p, p.candidate.row, [f"device={gpu.name}"]) for p in result.rows]
+    found = []
+    for prediction, experiment, overrides in todo:
+        row = compile_row(resolve(experiment, overrides, full=True), target)
+        what = experiment if prediction.candidate.row else " ".join(overrides[len(args):])
+        found.append(search_report.Verified(prediction, row.compiled_memory(),
+                                            _replayed(row, experiment), what))
+    print("\n".join(search_report.verified_lines(found, result.hw.capacity)))

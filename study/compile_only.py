@@ -1,0 +1,60 @@
+"""Compile-only GPUs: devices made from XLA's target spec of a GPU (study/gpus.py), on which
+XLA's real GPU compiler runs on a machine without one; the options and checks such a compile
+needs that a real GPU does not."""
+
+import contextlib
+
+from jax.experimental import topologies
+
+from configs import ConfigError
+from runtime.backend import has_cuda_plugin, memory_fraction, quiet
+from study.gpus import Gpu
+from trainer.target import Target
+
+# XLA's CUB radix-sort rewriter asks the CUDA runtime for a device, and with no device to time
+# kernels on, XLA's autotuning only compiles candidate kernel configs until one compiles (half
+# of a compile's time). Off, the optimized program's instructions, schedule and buffers are
+# the same (tests/test_gpu_compile.py); a real GPU keeps both.
+DEVICELESS = {"xla_gpu_enable_cub_radix_sort": False, "xla_gpu_autotune_level": 0}
+
+
+def pool_bytes(gpu: Gpu) -> int:
+    """What XLA's memory pool takes of one `gpu`: the memory fraction of its memory."""
+    return int(memory_fraction()[0] * gpu.memory)
+
+
+def compile_only(gpu: Gpu, n_devices: int) -> Target:
+    """`n_devices` compile-only GPUs of `gpu`'s spec, in hosts of gpu.per_host."""
+    if not has_cuda_plugin():
+        raise ConfigError("compiling for a GPU needs the CUDA compile extra: "
+                          ".venv/bin/pip install -e '.[gpu-compile]' (or make compile-...)")
+    with quiet():
+        topology = topologies.get_topology_desc(platform="cuda",
+                                                topology=gpu.topology(n_devices),
+                                                target_config=gpu.spec)
+    return Target("gpu", gpu.capability, tuple(topology.devices), compile_only=True)
+
+
+@contextlib.contextmanager
+def kernel_checks(target: Target):
+    """While tracing for compile-only GPUs: JAX's Python-side cuDNN attention checks read the
+    compute capability of the default backend (this machine's CPU), which would refuse
+    DeepSeek's head dim 192 as if on an old GPU; they are given the target's instead."""
+    # Reaching inside: the checks are module functions of JAX's cuDNN attention (jax 0.12).
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    def at_least(version: str) -> bool:
+        return target.capability >= tuple(int(x) for x in version.split("."))
+
+    def equal(version: str) -> bool:
+        return target.capability == tuple(int(x) for x in version.split("."))
+
+    names = ("check_compute_capability", "is_cuda_compute_capability_equal")
+    saved = [getattr(cudnn_attention, name) for name in names]
+    for name, check in zip(names, (at_least, equal)):
+        setattr(cudnn_attention, name, check)
+    try:
+        yield
+    finally:
+        for name, check in zip(names, saved):
+            setattr(cudnn_attention, name, check)
