@@ -163,14 +163,11 @@ def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__.strip())
-        return 2
     try:
-        what, name, args = command(argv)
+        what, name, args = command(argv or ["--help"])
         if what in ("-h", "--help"):
             print(__doc__.strip())
-            return 0
+            return 0 if argv else 2  # no words at all: the usage, as for a mistake
         if what == "--list":
             list_experiments()
             return 0

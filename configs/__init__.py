@@ -18,9 +18,6 @@ ModelConfig = LlamaConfig | DeepSeekConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
-QUANTS = ("none", "nvfp4")
-QUANT_TILES = ("16x16", "1x16")
-QUANT_BACKWARDS = ("fp4", "bf16")
 # The GPUs an experiment can be planned and compiled for (device=...); their figures and XLA
 # target specs are the study tools' (study/gpus.py, a test keeps the two lists one).
 DEVICES = ("gb200", "b200", "h200", "h100")
@@ -141,6 +138,19 @@ class Experiment:
         return self.proxy_model, dataclasses.replace(self.run, **self.proxy_run)
 
 
+# What every experiment changes at proxy scale: a short sequence, no mesh axes (a laptop may
+# have one device), and f32, since a CPU has no bf16 matmul units (the run header says so; full
+# scale computes in bf16, as the study did).
+PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
+                 loss_chunks=1)
+
+
+def experiment(name: str, summary: str, model: ModelConfig, proxy_model: ModelConfig,
+               run: RunConfig, **run_changes) -> Experiment:
+    return Experiment(name, summary, model, proxy_model, dataclasses.replace(run, **run_changes),
+                      PROXY_RUN)
+
+
 EXPERIMENTS: dict[str, Experiment] = {}
 COMPARISONS: dict[str, tuple[str, ...]] = {}  # name -> experiments run one after another
 # The study's measured TFLOP/s/device per row (docs/study.md, 128 GB200s): what each row's
@@ -149,8 +159,7 @@ STUDY_TFLOPS: dict[str, float] = {}
 
 
 def register(*experiments: Experiment) -> None:
-    for e in experiments:
-        EXPERIMENTS[e.name] = e
+    EXPERIMENTS.update((e.name, e) for e in experiments)
 
 
 class ConfigError(ValueError):
@@ -164,13 +173,9 @@ def get(name: str) -> Experiment:
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
-    pairs = {}
-    for arg in args:
-        key, eq, value = arg.partition("=")
-        if not eq or not key:
-            raise ConfigError(f"expected key=value, got {arg!r}")
-        pairs[key] = value
-    return pairs
+    if bad := [arg for arg in args if "=" not in arg or arg.startswith("=")]:
+        raise ConfigError(f"expected key=value, got {bad[0]!r}")
+    return dict(arg.split("=", 1) for arg in args)
 
 
 def _coerce(key: str, text: str, kind) -> Any:
@@ -195,11 +200,9 @@ def _coerce(key: str, text: str, kind) -> Any:
 
 def _set(obj, path: list[str], text: str, full_key: str):
     """A copy of dataclass `obj` with the field at `path` set from `text`, typed by the field."""
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    name = path[0]
-    if name not in fields:
-        raise ConfigError(f"unknown key {full_key!r}; {type(obj).__name__} has "
-                          f"{', '.join(fields)}")
+    name, known = path[0], [f.name for f in dataclasses.fields(obj)]
+    if name not in known:
+        raise ConfigError(f"unknown key {full_key!r}; {type(obj).__name__} has {', '.join(known)}")
     value, kind = getattr(obj, name), typing.get_type_hints(type(obj))[name]
     if typing.get_origin(kind) is Mapping:
         if len(path) != 2:
@@ -306,8 +309,8 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     experts = _expert_problems(model, run, fsdp)
     found += out_of_range(model, run, found + experts)
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": QUANTS, "quant_tiles": QUANT_TILES, "quant_backward": QUANT_BACKWARDS,
-               "device": DEVICES,
+               "quant": ("none", "nvfp4"), "quant_tiles": ("16x16", "1x16"),
+               "quant_backward": ("fp4", "bf16"), "device": DEVICES,
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
                "optimizer_state": ("device", "host")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"

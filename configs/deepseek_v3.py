@@ -1,9 +1,10 @@
 """DeepSeek-V3 671B and the study's DeepSeek experiments (docs/study.md, the DeepSeek table)."""
 
 import dataclasses
+from functools import partial
 
-from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, Experiment,
-                     MeshConfig, RunConfig, register)
+from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, MeshConfig,
+                     RunConfig, experiment, register)
 from model.config import DeepSeekConfig
 
 DEEPSEEK_V3 = DeepSeekConfig(
@@ -13,15 +14,13 @@ DEEPSEEK_V3 = DeepSeekConfig(
     topk_groups=4, routed_scaling=2.5)
 
 # Proxy: the same structure (MLA with q LoRA, a dense first layer, 8 expert groups of which a
-# token uses 4, a shared expert, YaRN), 512 wide, a step of about a second on a CPU.
+# token uses 4, a shared expert, YaRN), 512 wide, a step of about a second on a CPU. It runs
+# with no expert axis (configs.PROXY_RUN): mesh.expert=2 or 4 splits its experts over 8 CPU
+# devices as the full rows do, at several times the cost on CPUs.
 PROXY_V3 = dataclasses.replace(
     DEEPSEEK_V3, vocab=32_768, d_model=512, n_layers=4, n_dense_layers=1, n_heads=8,
     q_lora_rank=128, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32, d_ff=1344,
     moe_d_ff=160, n_experts=16, experts_per_token=4)
-# A laptop may have one device: no expert axis (mesh.expert=2 or 4 splits the proxy's experts
-# over 8 CPU devices as the full rows do, at several times the cost on CPUs).
-PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
-                 loss_chunks=1)
 
 # The study gives no DeepSeek sequence length: 4096, the model's original context, is assumed.
 # The mesh and the expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs
@@ -32,12 +31,8 @@ STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10,
                      mesh=MeshConfig(data=1, fsdp=16, expert=8), compute_dtype="bfloat16",
                      preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8,
                      checkpoint_every=0)
-
-
-def _deepseek(name: str, summary: str, **run_changes) -> Experiment:
-    return Experiment(name, summary, DEEPSEEK_V3, PROXY_V3,
-                      dataclasses.replace(STUDY_V3, **run_changes), PROXY_RUN)
-
+# A row: its name, summary and what it changes of STUDY_V3.
+_deepseek = partial(experiment, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
 
 register(
     _deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",

@@ -1,9 +1,10 @@
 """Llama 3.1 models and the study's Llama 405B experiments (docs/study.md, the Llama table)."""
 
 import dataclasses
+from functools import partial
 
-from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, Experiment,
-                     MeshConfig, RunConfig, register)
+from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, MeshConfig,
+                     RunConfig, experiment, register)
 from model.config import LlamaConfig
 
 LLAMA31_8B = LlamaConfig(vocab=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -22,11 +23,6 @@ PROXY_70B = dataclasses.replace(LLAMA31_70B, **_PROXY, n_heads=8, n_kv_heads=1, 
 PROXY_405B = dataclasses.replace(LLAMA31_405B, **_PROXY, n_heads=16, n_kv_heads=1, head_dim=32,
                                  d_ff=1664)
 
-# A CPU has no bf16 matmul units (bf16 runs ~2x slower than f32 there), so proxies compute in
-# f32; the run header says so. Full scale computes in bf16, as the study did.
-PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
-                 loss_chunks=1)
-
 # The study: 10 steps, synthetic data, per-device batch 2, sequence 8192, FSDP 128, bf16
 # activations, NVFP4 as Transformer Engine's recipe (every layer matrix's three GEMMs in FP4,
 # 16x16 weight tiles: the RunConfig defaults of quant=nvfp4). The loss in 8 chunks
@@ -34,12 +30,8 @@ PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=Mesh
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(data=1, fsdp=128),
                        compute_dtype="bfloat16", quant="nvfp4", loss_chunks=8,
                        checkpoint_every=0)
-
-
-def _llama405b(name: str, summary: str, **run_changes) -> Experiment:
-    return Experiment(name, summary, LLAMA31_405B, PROXY_405B,
-                      dataclasses.replace(STUDY_405B, **run_changes), PROXY_RUN)
-
+# A row: its name, summary and what it changes of STUDY_405B.
+_llama405b = partial(experiment, model=LLAMA31_405B, proxy_model=PROXY_405B, run=STUDY_405B)
 
 register(
     _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
@@ -60,28 +52,24 @@ register(
                            "layers.key_proj": "offload", "layers.value_proj": "offload",
                            "layers.mlpwi_0": "offload", "layers.mlpwi_1": "offload"},
                xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
-    Experiment("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)",
-               LLAMA31_8B, PROXY_8B, dataclasses.replace(
-                   STUDY_405B, mesh=MeshConfig(fsdp=8), preset="qkv_offload", quant="none",
-                   xla_flags={LHS: "true"}), PROXY_RUN),
-    Experiment("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64",
-               LLAMA31_70B, PROXY_70B, dataclasses.replace(
-                   STUDY_405B, mesh=MeshConfig(fsdp=64), preset="qkv_offload", quant="none",
-                   xla_flags={LHS: "true"}), PROXY_RUN),
+    experiment("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)",
+               LLAMA31_8B, PROXY_8B, STUDY_405B, mesh=MeshConfig(fsdp=8), preset="qkv_offload",
+               quant="none", xla_flags={LHS: "true"}),
+    experiment("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64",
+               LLAMA31_70B, PROXY_70B, STUDY_405B, mesh=MeshConfig(fsdp=64), preset="qkv_offload",
+               quant="none", xla_flags={LHS: "true"}),
     # Not a study row: 70B on one 8-GPU host (scripts/slurm/h100-8gpu.sbatch). Its FP32
     # weights, gradients and AdamW moments alone nearly fill an H200, so the moments live in
     # host memory (offload/optimizer_state.py); the activations as
     # `make search-llama70b-8xh200` placed them (docs/optimizer_state.md has the figures).
-    Experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW "
+    experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW "
                "moments in host memory, activations placed by the search", LLAMA31_70B,
-               PROXY_70B, dataclasses.replace(
-                   STUDY_405B, device="h200", mesh=MeshConfig(fsdp=8), per_device_batch=1,
-                   quant="none", preset="remat", optimizer_state="host",
-                   placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
-                               "layers.key_proj": "offload", "layers.value_proj": "offload",
-                               "layers.attention_out": "offload",
-                               "layers.mlpwi_1": "offload"},
-                   xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}), PROXY_RUN),
+               PROXY_70B, STUDY_405B, device="h200", mesh=MeshConfig(fsdp=8), per_device_batch=1,
+               quant="none", preset="remat", optimizer_state="host",
+               placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
+                          "layers.key_proj": "offload", "layers.value_proj": "offload",
+                          "layers.attention_out": "offload", "layers.mlpwi_1": "offload"},
+               xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
 )
 
 # The study's Llama table, row by row (make llama405b-compare).

@@ -5,43 +5,45 @@ from model.config import DeepSeekConfig, Llama3RopeScaling, LlamaConfig, YarnSca
 from hf.safetensors import CheckpointError
 
 
-def _rope(hf: dict) -> tuple[float, dict]:
-    """(theta, scaling dict), from either layout."""
+def _rope(hf: dict) -> tuple[float, dict, str]:
+    """(theta, scaling dict, rope type), from either layout."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))), rope
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    return theta, rope, rope.get("rope_type", rope.get("type", "default"))
 
 
-def _rope_type(rope: dict) -> str:
-    return rope.get("rope_type", rope.get("type", "default"))
+def _common(hf: dict, theta: float, max_position: int) -> dict:
+    """The fields both families read alike (a missing optional key: HF's default)."""
+    return dict(vocab=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
+                n_layers=int(hf["num_hidden_layers"]), n_heads=int(hf["num_attention_heads"]),
+                d_ff=int(hf["intermediate_size"]), rope_theta=theta,
+                max_position=int(hf.get("max_position_embeddings", max_position)),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
 
 
 def _llama(hf: dict) -> LlamaConfig:
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise CheckpointError("checkpoints with attention or MLP biases are not supported")
-    theta, rope = _rope(hf)
-    if _rope_type(rope) not in ("default", "llama3"):
-        raise CheckpointError(f"rope_type {_rope_type(rope)!r} is not supported for Llama")
-    scaling = None if _rope_type(rope) == "default" else Llama3RopeScaling(
+    theta, rope, kind = _rope(hf)
+    if kind not in ("default", "llama3"):
+        raise CheckpointError(f"rope_type {kind!r} is not supported for Llama")
+    scaling = None if kind == "default" else Llama3RopeScaling(
         factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_position=int(rope.get("original_max_position_embeddings",
                                            hf.get("max_position_embeddings", 8192))))
-    heads = int(hf["num_attention_heads"])
-    return LlamaConfig(
-        vocab=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-        n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        d_ff=int(hf["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
-        max_position=int(hf.get("max_position_embeddings", 2048)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+    common = _common(hf, theta, 2048)
+    heads = common["n_heads"]
+    return LlamaConfig(**common, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                       head_dim=int(hf.get("head_dim") or common["d_model"] // heads),
+                       rope_scaling=scaling)
 
 
-def _yarn(hf: dict, rope: dict) -> YarnScaling | None:
-    if _rope_type(rope) == "default":
+def _yarn(hf: dict, rope: dict, kind: str) -> YarnScaling | None:
+    if kind == "default":
         return None
-    if _rope_type(rope) != "yarn":
-        raise CheckpointError(f"rope_type {_rope_type(rope)!r} is not supported for DeepSeek")
+    if kind != "yarn":
+        raise CheckpointError(f"rope_type {kind!r} is not supported for DeepSeek")
     original = int(rope["original_max_position_embeddings"])
     factor = rope.get("factor") or hf["max_position_embeddings"] / original
     mscales = {key: None if rope.get(key) is None else float(rope[key])
@@ -53,26 +55,21 @@ def _yarn(hf: dict, rope: dict) -> YarnScaling | None:
 
 
 def _deepseek(hf: dict) -> DeepSeekConfig:
-    theta, rope = _rope(hf)
+    theta, rope, kind = _rope(hf)
     if rope.get("attention_factor") is not None:
         raise CheckpointError("an explicit YaRN attention_factor is not supported")
     return DeepSeekConfig(
-        vocab=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-        n_layers=int(hf["num_hidden_layers"]),
-        n_dense_layers=int(hf.get("first_k_dense_replace", 3)),
-        n_heads=int(hf["num_attention_heads"]),
+        **_common(hf, theta, 4096), n_dense_layers=int(hf.get("first_k_dense_replace", 3)),
         q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_dim=int(hf["qk_nope_head_dim"]),
         qk_rope_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
-        d_ff=int(hf["intermediate_size"]), moe_d_ff=int(hf["moe_intermediate_size"]),
-        n_experts=int(hf["n_routed_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-        n_shared_experts=int(hf.get("n_shared_experts", 1)),  # missing keys: HF's defaults
-        n_groups=int(hf.get("n_group", 8)), topk_groups=int(hf.get("topk_group", 4)),
+        moe_d_ff=int(hf["moe_intermediate_size"]), n_experts=int(hf["n_routed_experts"]),
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        n_shared_experts=int(hf.get("n_shared_experts", 1)), n_groups=int(hf.get("n_group", 8)),
+        topk_groups=int(hf.get("topk_group", 4)),
         routed_scaling=float(hf.get("routed_scaling_factor", 2.5)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), rope_theta=theta,
-        rope_interleave=bool(hf.get("rope_interleave", rope.get("rope_interleave", True))),
-        rope_scaling=_yarn(hf, rope), max_position=int(hf.get("max_position_embeddings", 4096)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), rope_scaling=_yarn(hf, rope, kind),
+        rope_interleave=bool(hf.get("rope_interleave", rope.get("rope_interleave", True))))
 
 
 def from_hf(hf: dict):

@@ -6,6 +6,7 @@ read whole (one process) or only in the slices this process's devices hold (mult
 """
 
 import dataclasses
+import functools
 import itertools
 import math
 from pathlib import Path
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from hf import config as hf_config
-from hf.safetensors import CheckpointError, Reader, read_json
+from hf.safetensors import CheckpointError, Reader, read_json, unit_slices
 from model import families
 from model.common import HfTensor, ParamSpec
 
@@ -36,8 +37,7 @@ class Source:
     def read(self, reader: Reader, index: tuple[slice, ...] = ()) -> np.ndarray:
         """self[index] as float32, reading only that slice (and, where ours splits heads out of
         one HF axis and a slice cuts through an inner one, whole rows of the outer one)."""
-        index = tuple(slice(*s.indices(n)[:2])
-                      for s, n in zip(index or [slice(None)] * len(self.shape), self.shape))
+        index = unit_slices(index, self.shape)
         names = self.names[(*index[:self.names.ndim], Ellipsis)]
         parts = [self._read_one(reader, name, index[self.names.ndim:]) for name in names.flat]
         return np.stack(parts).reshape(names.shape + parts[0].shape)
@@ -91,13 +91,6 @@ def _source(reader: Reader, spec: ParamSpec, hf: HfTensor) -> Source:
                   (hf.fused[1] if fused else 0) * math.prod(outs))
 
 
-def sources(reader: Reader, cfg) -> dict:
-    """Every parameter of `cfg`'s family as a Source, in its param tree."""
-    family = families.of(cfg)
-    return jax.tree.map(lambda spec, hf: _source(reader, spec, hf), family.param_specs(cfg),
-                        family.hf_tensors(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
-
-
 def _is_source(x) -> bool:
     return isinstance(x, Source)
 
@@ -116,15 +109,9 @@ class Checkpoint:
         """Every parameter as a jax.Array with its sharding: this process reads only the
         slices its own devices hold, each once (replicated ones are shared by its devices)."""
         def array(source: Source, sharding):
-            slices = {}
-
-            def read(index):
-                key = tuple(s.indices(n)[:2] for s, n in zip(index, source.shape))
-                if key not in slices:
-                    slices[key] = source.read(self.reader, index).astype(dtype)
-                return slices[key]
-
-            return jax.make_array_from_callback(source.shape, sharding, read)
+            read = functools.cache(lambda index: source.read(self.reader, index).astype(dtype))
+            return jax.make_array_from_callback(
+                source.shape, sharding, lambda index: read(unit_slices(index, source.shape)))
 
         return jax.tree.map(array, self.sources, shardings, is_leaf=_is_source)
 
@@ -148,8 +135,10 @@ def open_checkpoint(directory: str | Path):
         raise CheckpointError(f"{directory}/config.json: a value of the wrong type ({e})") from None
     if problems := cfg.problems():
         raise CheckpointError(f"{directory}/config.json: {problems[0]}")
-    reader = Reader(directory)
-    return cfg, Checkpoint(reader, sources(reader, cfg))
+    reader, family = Reader(directory), families.of(cfg)
+    sources = jax.tree.map(functools.partial(_source, reader), family.param_specs(cfg),
+                           family.hf_tensors(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+    return cfg, Checkpoint(reader, sources)
 
 
 def load_checkpoint(directory: str | Path):

@@ -50,6 +50,13 @@ def _open(file: Path):
         raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
 
 
+def unit_slices(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` (a unit-step slice per axis, or () for all) with its bounds resolved: one
+    range, however written, is one key."""
+    return tuple(slice(*s.indices(n)[:2])
+                 for s, n in zip(index or [slice(None)] * len(shape), shape))
+
+
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, origin=(0, 0)) -> np.ndarray:
     """weight [out, in] in FP8 times its per-block scales. `weight` may be a slice of a
     tensor starting at row and column `origin`; `scale_inv` then holds the blocks from
@@ -86,9 +93,7 @@ class Reader:
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         """tensor[index] as float32; `index`: one unit-step slice per axis, or () for all."""
-        shape = self.shapes[name]
-        index = tuple(slice(*s.indices(n)[:2])
-                      for s, n in zip(index or [slice(None)] * len(shape), shape))
+        index = unit_slices(index, self.shapes[name])
         raw = self._raw(name, index)
         self.bytes_read += raw.nbytes
         if name + SCALE_SUFFIX not in self.files:

@@ -21,33 +21,27 @@ from model.common import HfTensor, ParamSpec
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
-def _linear(weight: np.ndarray, n_in: int) -> np.ndarray:
-    """Our [*in, *out] weight as HF's [out, in]: the first `n_in` axes are the input."""
-    return weight.reshape(math.prod(weight.shape[:n_in]), -1).T
-
-
-def _entries(value: np.ndarray, spec: ParamSpec, hf: HfTensor, layer: int | None):
-    """(HF name, array) of one parameter, of one layer of it when stacked."""
-    if layer is None:
-        yield hf.name, (_linear(value, hf.n_in) if hf.linear else value)
-        return
-    for e in range(value.shape[1]) if spec.axes[1] == "experts" else [None]:
-        array = value[layer] if e is None else value[layer, e]
-        name = hf.name.format(layer=layer + hf.first_layer, expert=e)
-        yield name, (_linear(array, hf.n_in) if hf.linear else array)
+def _hf_layout(array: np.ndarray, hf: HfTensor) -> np.ndarray:
+    """A linear layer's [*in, *out] weight as HF's [out, in] (its first `hf.n_in` axes are the
+    input); any other tensor as it is."""
+    return array.reshape(math.prod(array.shape[:hf.n_in]), -1).T if hf.linear else array
 
 
 def hf_tensors(params: dict, cfg) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array in HF's layout) for every weight, layer by layer, by the family's table."""
+    """(HF name, array in HF's layout) for every weight, layer by layer, by the family's table;
+    a stacked expert axis as one tensor per expert."""
     family = families.of(cfg)
     specs, names = family.param_specs(cfg), family.hf_tensors(cfg)
     for key, spec in specs.items():
         if isinstance(spec, ParamSpec):
-            yield from _entries(np.asarray(params[key]), spec, names[key], None)
+            yield names[key].name, _hf_layout(np.asarray(params[key]), names[key])
             continue
         for layer in range(next(iter(spec.values())).shape[0]):
             for name, one in spec.items():
-                yield from _entries(np.asarray(params[key][name]), one, names[key][name], layer)
+                hf, value = names[key][name], np.asarray(params[key][name])[layer]
+                for e in range(value.shape[0]) if one.axes[1] == "experts" else [None]:
+                    yield (hf.name.format(layer=layer + hf.first_layer, expert=e),
+                           _hf_layout(value if e is None else value[e], hf))
 
 
 def write_checkpoint(directory: Path, cfg, params: dict,
@@ -77,11 +71,9 @@ def _name_shards(directory: Path, shards: list) -> list[Path]:
     """Rename the parts as transformers expects, once their number is known."""
     if len(shards) == 1:
         return [shards[0][0].rename(directory / "model.safetensors")]
-    paths, weight_map = [], {}
-    for k, (path, names, _) in enumerate(shards, start=1):
-        final = directory / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        paths.append(path.rename(final))
-        weight_map.update(dict.fromkeys(names, final.name))
+    paths = [path.rename(directory / f"model-{k:05d}-of-{len(shards):05d}.safetensors")
+             for k, (path, _, _) in enumerate(shards, start=1)]
+    weight_map = {name: final.name for final, (_, names, _) in zip(paths, shards) for name in names}
     index = {"metadata": {"total_size": sum(n for *_, n in shards)}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return paths

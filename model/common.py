@@ -66,14 +66,15 @@ class AxisRules:
             return axes
         kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
                      if a in self.mesh.axis_names)
-        if not kept:
-            return None
-        return kept[0] if isinstance(axes, str) or len(kept) == 1 else kept
+        return kept[0] if len(kept) == 1 else kept or None
 
 
-def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None):
-    """A mesh whose axes are all Auto: XLA propagates shardings from the hints we give."""
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:
+    """A mesh over the first prod(shape) of `devices` (all by default) in their order, its axes
+    all Auto: XLA propagates shardings from the hints we give."""
+    devices = np.asarray(jax.devices() if devices is None else devices, dtype=object)
+    return Mesh(devices[:math.prod(shape)].reshape(shape), names,
+                axis_types=(AxisType.Auto,) * len(names))
 
 
 def constrain(x: jax.Array, rules: AxisRules | None, logical: tuple[str | None, ...]):
@@ -106,6 +107,19 @@ class HfTensor:
     tied: str = ""
 
 
+def hf_layer(name: str, n_in: int = 0, first: int = 0, fused=None) -> HfTensor:
+    """The stacked layer tensor `model.layers.{layer}.<name>.weight`, a linear one with `n_in`
+    in axes (0: not linear); `fused` names its fused tensor under the same layer prefix."""
+    return HfTensor(f"model.layers.{{layer}}.{name}.weight", bool(n_in), n_in or 1, first,
+                    fused and (f"model.layers.{{layer}}.{fused[0]}", *fused[1:]))
+
+
+def hf_swiglu(prefix: str, first: int = 0) -> dict:
+    """`swiglu_specs`'s weights, HF's `<prefix>gate_proj` and so on."""
+    return {f"w_{part}": hf_layer(f"{prefix}{part}_proj", 1, first)
+            for part in ("gate", "up", "down")}
+
+
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
     """The same parameter for n layers, stacked on a leading `layers` axis (scanned over)."""
     return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.std)
@@ -130,9 +144,8 @@ def param_shardings(specs, rules: AxisRules):
 def init_params(specs, rules: AxisRules, key: jax.Array, dtype=jnp.float32):
     """Random parameters, each created already sharded: no full tensor on one device."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    shardings = jax.tree.leaves(param_shardings(specs, rules))
 
-    @partial(jax.jit, out_shardings=shardings)
+    @partial(jax.jit, out_shardings=[rules.sharding(s.axes) for s in leaves])
     def make(key):
         keys = jax.random.split(key, len(leaves))
         return [jnp.ones(s.shape, dtype) if s.std is None
@@ -211,15 +224,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None,
                      implementation: str | None = None):
     """softmax(q k^T * scale) v with a causal mask (scale 1/sqrt(H) by default); q [B,T,N,H],
-    k [B,S,K,H], v [B,S,K,H'] with H' <= H.
-
-    Query head n reads kv head n // (N/K), Hugging Face's repeat-interleave GQA mapping.
-    The softmax runs in fp32. `implementation="cudnn"` (GPUs, bf16) is cuDNN's fused flash
-    kernel, which never stores the [B, N, T, S] scores and takes a narrower v as it is (MLA:
-    192 for q and k, 128 for v). None is XLA's reference path (JAX 0.12 does not pick cuDNN
-    by itself); it wants one head dim, so a narrower v is padded with zero columns there,
-    whose outputs are zero and sliced off.
-    """
+    k [B,S,K,H], v [B,S,K,H'] with H' <= H. Query head n reads kv head n // (N/K), Hugging
+    Face's repeat-interleave GQA mapping; the softmax runs in fp32. `implementation="cudnn"`
+    (GPUs, bf16) is cuDNN's fused flash kernel, which never stores the [B, N, T, S] scores and
+    takes a narrower v as it is (MLA: 192 for q and k, 128 for v). None is XLA's reference path
+    (JAX 0.12 does not pick cuDNN by itself); it wants one head dim, so a narrower v is padded
+    with zero columns there, whose outputs are zero and sliced off."""
     if implementation == "cudnn":
         # JAX 0.12's public dot_product_attention refuses H' != H before reaching this
         # kernel, which supports it (cuDNN >= 9.10 on Hopper and later).
@@ -235,8 +245,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
 
 
 def quantizable(name: str, ndim: int, unquantized=()) -> bool:
-    """Whether quantization applies to a layer weight of this name and rank (one layer's):
-    its matrices, but those named in `unquantized`."""
+    """Whether a layer weight (one layer's) is multiplied in NVFP4: a matrix not `unquantized`."""
     return ndim >= 2 and name not in unquantized
 
 
@@ -291,6 +300,12 @@ def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float):
     logits = jnp.dot(x.reshape(batch * seq, width), lm_head.astype(x.dtype),
                      preferred_element_type=jnp.float32)
     return logits.reshape(batch, seq, lm_head.shape[-1])
+
+
+def swiglu_specs(d_model: int, d_ff: int) -> dict:
+    return {"w_gate": ParamSpec((d_model, d_ff), ("embed", "mlp"), d_model**-0.5),
+            "w_up": ParamSpec((d_model, d_ff), ("embed", "mlp"), d_model**-0.5),
+            "w_down": ParamSpec((d_ff, d_model), ("mlp", "embed"), d_ff**-0.5)}
 
 
 def swiglu(h: jax.Array, w: dict) -> jax.Array:

@@ -60,9 +60,7 @@ class YarnScaling:
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig:
     """A DeepSeek-V3-style decoder: MLA attention, dense MLP in the first layers, then MoE.
-
-    Letters as in the README glossary, plus R (LoRA ranks), E (routed experts).
-    """
+    Letters as in the README glossary, plus R (LoRA ranks), E (routed experts)."""
     vocab: int  # V
     d_model: int  # D
     n_layers: int  # L, dense and MoE together

@@ -15,15 +15,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
-                          constrain, einsum, layer_keys, layer_weights, param_count, rms_norm,
-                          rope_tables, scan_layers, stack, swiglu, unembed,
-                          yarn_attention_factor, yarn_frequencies, yarn_mscale)
+                          constrain, einsum, hf_layer, hf_swiglu, layer_keys, layer_weights,
+                          param_count, rms_norm, rope_tables, scan_layers, stack, swiglu,
+                          swiglu_specs, unembed, yarn_attention_factor, yarn_frequencies,
+                          yarn_mscale)
 from model.config import DeepSeekConfig
 from model.experts import EXPERT_PATHS, ExpertParallel, experts_exchanged
 from model.quant import Quantization
 
 CONFIG = DeepSeekConfig
-HF_TYPE = "deepseek_v3"
 # The two layer scans and their tags in layer order (the only lists; the tests check them
 # against the traced model). The MoE layer's shared expert is a SwiGLU (mlpwi_*); the routed
 # experts are moe_mlpwi_*.
@@ -58,12 +58,6 @@ def _attention_specs(cfg: DeepSeekConfig) -> dict:
     }
 
 
-def _mlp_specs(d_model: int, d_ff: int) -> dict:
-    return {"w_gate": ParamSpec((d_model, d_ff), ("embed", "mlp"), d_model**-0.5),
-            "w_up": ParamSpec((d_model, d_ff), ("embed", "mlp"), d_model**-0.5),
-            "w_down": ParamSpec((d_ff, d_model), ("mlp", "embed"), d_ff**-0.5)}
-
-
 def _moe_specs(cfg: DeepSeekConfig) -> dict:
     D, E, F = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
     return {
@@ -73,13 +67,13 @@ def _moe_specs(cfg: DeepSeekConfig) -> dict:
         "we_gate": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
         "we_up": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
         "we_down": ParamSpec((E, F, D), ("experts", "mlp", "expert_embed"), F**-0.5),
-        **_mlp_specs(D, cfg.n_shared_experts * F),  # the shared experts, as one SwiGLU
+        **swiglu_specs(D, cfg.n_shared_experts * F),  # the shared experts, as one SwiGLU
     }
 
 
 def param_specs(cfg: DeepSeekConfig) -> dict:
     D, V = cfg.d_model, cfg.vocab
-    dense = {**_attention_specs(cfg), **_mlp_specs(D, cfg.d_ff)}
+    dense = {**_attention_specs(cfg), **swiglu_specs(D, cfg.d_ff)}
     moe = {**_attention_specs(cfg), **_moe_specs(cfg)}
     return {
         "embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
@@ -189,9 +183,8 @@ def _per_device(routed, rules: AxisRules):
     batch to route and sort them). Expert weights arrive gathered over their FSDP shards:
     every expert, or under expert parallelism the device's own."""
     batch = rules.spec(("batch", None, None))
-    experts = rules.spec(("exchange", None, None))
     specs = {"router": PartitionSpec(), "router_bias": PartitionSpec(),
-             **{name: experts for name in EXPERT_WEIGHTS}}
+             **dict.fromkeys(EXPERT_WEIGHTS, rules.spec(("exchange", None, None)))}
 
     def local(x, w):
         out, load, balance, dropped = routed(x, w)
@@ -218,30 +211,20 @@ def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = N
                                 "expert_dropped": dropped}
 
 
-def _attention_half(x, w, cfg: DeepSeekConfig, cos, sin, rules, attention):
-    """The layer input, tagged, plus MLA of its norm: the first residual half of a layer."""
+def block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None, expert_path=None,
+          parallel=None):
+    """One layer, x [B, T, D] -> (x', stats): MLA, then a dense SwiGLU (stats None) or, given an
+    `expert_path`, the MoE (stats {"expert_load": token counts [E], "balance_loss": scalar,
+    "expert_dropped": pairs per expert [E]})."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        return constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules,
-                         ("batch", "seq", None))
-
-
-def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None):
-    x = _attention_half(x, w, cfg, cos, sin, rules, attention)
-    with jax.named_scope("mlp"):
-        x = x + swiglu(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w)
-        return constrain(x, rules, ("batch", "seq", None))
-
-
-def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, expert_path="sorted",
-              attention=None, parallel=None):
-    """A MoE layer: (x', {"expert_load": token counts [E], "balance_loss": scalar,
-    "expert_dropped": pairs per expert [E]})."""
-    x = _attention_half(x, w, cfg, cos, sin, rules, attention)
-    with jax.named_scope("moe"):
-        out, stats = moe(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w, cfg, expert_path, rules,
-                         parallel)
+        x = constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules,
+                      ("batch", "seq", None))
+    with jax.named_scope("mlp" if expert_path is None else "moe"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        out, stats = ((swiglu(h, w), None) if expert_path is None
+                      else moe(h, w, cfg, expert_path, rules, parallel))
         return constrain(x + out, rules, ("batch", "seq", None)), stats
 
 
@@ -259,9 +242,8 @@ def trunk(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
           expert_parallel: ExpertParallel | None = None,
           quantization: Quantization | None = None, key: jax.Array | None = None):
     """The decoder trunk (embedding, then the layers): tokens [B, T] -> (the last layer's
-    output [B, T, D], before the final norm; per MoE
-    layer {"expert_load": tokens per expert [L_moe, E], "balance_loss": [L_moe],
-    "expert_dropped": [L_moe, E]}).
+    output [B, T, D], before the final norm; per MoE layer {"expert_load": tokens per expert
+    [L_moe, E], "balance_loss": [L_moe], "expert_dropped": [L_moe, E]}).
 
     `policies` maps a scan (SCANS) to the `jax.checkpoint` policy of each of its layers.
     `expert_parallel` splits the routed experts over the devices of the `exchange` axis.
@@ -276,23 +258,22 @@ def trunk(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
     def dense_layer(x, inputs):
         w, layer_key = inputs
         w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
-        return dense_block(x, w, cfg, cos, sin, rules, attention), None
+        return block(x, w, cfg, cos, sin, rules, attention)
 
     def moe_layer(x, inputs):
         w, layer_key = inputs
         router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as HF routes
         w = {**layer_weights(w, dtype, quantization, UNQUANTIZED, layer_key, rules), **router}
-        return moe_block(x, w, cfg, cos, sin, rules, expert_path, attention, expert_parallel)
+        return block(x, w, cfg, cos, sin, rules, attention, expert_path, expert_parallel)
 
     policies = policies or {}
     keys = layer_keys(key, quantization, cfg.n_layers)
-    dense = None if keys is None else keys[:cfg.n_dense_layers]
-    moe_keys = None if keys is None else keys[cfg.n_dense_layers:]
-    x, _ = scan_layers(dense_layer, x, (params["dense_layers"], dense),
+    n_dense = cfg.n_dense_layers
+    dense_keys, moe_keys = (None, None) if keys is None else (keys[:n_dense], keys[n_dense:])
+    x, _ = scan_layers(dense_layer, x, (params["dense_layers"], dense_keys),
                        policies.get("dense_layers"), "dense_layers")
-    x, stats = scan_layers(moe_layer, x, (params["moe_layers"], moe_keys),
-                           policies.get("moe_layers"), "moe_layers")
-    return x, stats
+    return scan_layers(moe_layer, x, (params["moe_layers"], moe_keys),
+                       policies.get("moe_layers"), "moe_layers")
 
 
 def forward(params, tokens, cfg: DeepSeekConfig, **options):
@@ -307,14 +288,8 @@ def hf_tensors(cfg: DeepSeekConfig) -> dict:
     experts are stored one tensor per expert (the released checkpoint) or fused by expert
     (`experts.gate_up_proj` [E, 2F, D] and `experts.down_proj`, as transformers keeps them);
     layers after the model's own (multi-token prediction) are not read."""
-    def of(first: int):
-        def tensor(name: str, n_in: int = 0, fused=None) -> HfTensor:
-            return HfTensor(f"model.layers.{{layer}}.{name}.weight", bool(n_in), n_in or 1,
-                            first, fused and (f"model.layers.{{layer}}.{fused[0]}", *fused[1:]))
-        return tensor
-
     def layer(first: int, mlp: dict) -> dict:
-        t = of(first)
+        t = partial(hf_layer, first=first)
         query = ({"wq": t("self_attn.q_proj", 1)} if cfg.q_lora_rank is None else
                  {"wq_a": t("self_attn.q_a_proj", 1), "q_norm": t("self_attn.q_a_layernorm"),
                   "wq_b": t("self_attn.q_b_proj", 1)})
@@ -323,46 +298,38 @@ def hf_tensors(cfg: DeepSeekConfig) -> dict:
                 "kv_norm": t("self_attn.kv_a_layernorm"), "wkv_b": t("self_attn.kv_b_proj", 1),
                 "wo": t("self_attn.o_proj", 2), "mlp_norm": t("post_attention_layernorm"), **mlp}
 
-    def swiglu_of(first: int, prefix: str) -> dict:
-        tensor = of(first)
-        return {f"w_{part}": tensor(f"{prefix}{part}_proj", 1) for part in ("gate", "up", "down")}
-
-    moe, fused = of(cfg.n_dense_layers), "mlp.experts.gate_up_proj"
-    experts = {"we_gate": moe("mlp.experts.{expert}.gate_proj", 1, (fused, 0, 2)),
-               "we_up": moe("mlp.experts.{expert}.up_proj", 1, (fused, 1, 2)),
-               "we_down": moe("mlp.experts.{expert}.down_proj", 1, ("mlp.experts.down_proj", 0, 1))}
+    first_moe, gate_up = cfg.n_dense_layers, "mlp.experts.gate_up_proj"
+    moe = partial(hf_layer, first=first_moe)
     return {
         "embed": HfTensor("model.embed_tokens.weight"),
-        "dense_layers": layer(0, swiglu_of(0, "mlp.")),
-        "moe_layers": layer(cfg.n_dense_layers, {
-            "router": moe("mlp.gate", 1), "router_bias": HfTensor(
-                "model.layers.{layer}.mlp.gate.e_score_correction_bias",
-                first_layer=cfg.n_dense_layers),
-            **experts, **swiglu_of(cfg.n_dense_layers, "mlp.shared_experts.")}),
+        "dense_layers": layer(0, hf_swiglu("mlp.")),
+        "moe_layers": layer(first_moe, {
+            "router": moe("mlp.gate", 1),
+            "router_bias": HfTensor("model.layers.{layer}.mlp.gate.e_score_correction_bias",
+                                    first_layer=first_moe),
+            "we_gate": moe("mlp.experts.{expert}.gate_proj", 1, fused=(gate_up, 0, 2)),
+            "we_up": moe("mlp.experts.{expert}.up_proj", 1, fused=(gate_up, 1, 2)),
+            "we_down": moe("mlp.experts.{expert}.down_proj", 1,
+                           fused=("mlp.experts.down_proj", 0, 1)),
+            **hf_swiglu("mlp.shared_experts.", first_moe)}),
         "final_norm": HfTensor("model.norm.weight"),
         "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight"),
     }
-
-
-def _matmul_weights_per_token(cfg: DeepSeekConfig) -> float:
-    """Matmul weights one token multiplies by: every dense one, k of the E routed experts."""
-    specs = param_specs(cfg)
-    count = 0.0
-    for scan in SCANS:
-        for name, spec in specs[scan].items():
-            if len(spec.shape) > 2:  # stacked matrices; norms and the router bias are [L, n]
-                share = cfg.experts_per_token / cfg.n_experts if name.startswith("we_") else 1
-                count += share * math.prod(spec.shape)
-    return count + math.prod(specs["lm_head"].shape)
 
 
 def training_flops(cfg: DeepSeekConfig, batch: float, seq: int) -> float:
     """Model FLOPs of one training step, MaxText's definition: 6 per matmul weight a token uses
     (dropless: k experts + shared + router), the embedding lookup free, causal attention at
     half the square: 3 x B T^2 N (d_qk + d_v) per layer."""
+    specs = param_specs(cfg)
+    routed_share = cfg.experts_per_token / cfg.n_experts
+    # Stacked matrices (norms and the router bias are [L, n]); k of the E routed experts.
+    matmul_weights = sum(((routed_share if name.startswith("we_") else 1) * math.prod(s.shape)
+                          for scan in SCANS for name, s in specs[scan].items()
+                          if len(s.shape) > 2), 0.0) + math.prod(specs["lm_head"].shape)
     attention = 3 * cfg.n_layers * batch * seq**2 * cfg.n_heads * (
         cfg.qk_nope_dim + cfg.qk_rope_dim + cfg.v_head_dim)
-    return 6 * batch * seq * _matmul_weights_per_token(cfg) + attention
+    return 6 * batch * seq * matmul_weights + attention
 
 
 def active_params_per_token(cfg: DeepSeekConfig) -> int:

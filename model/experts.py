@@ -16,15 +16,19 @@ from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
 
+def _swiglu(rows, w, project_in, project_out):
+    """The experts' SwiGLU on `rows`, tagged, by the GEMMs `project_in` and `project_out`."""
+    gate = checkpoint_name(project_in(rows, w["we_gate"]), "moe_mlpwi_0")
+    up = checkpoint_name(project_in(rows, w["we_up"]), "moe_mlpwi_1")
+    return checkpoint_name(project_out(jax.nn.silu(gate) * up, w["we_down"]), "moe_mlpwo")
+
+
 def experts_dense(x, weights, experts, w, n_experts: int):
     """Every expert on every token, each output weighted by its routing weight (0 when not
     chosen): exact, and on a CPU faster than grouped GEMMs for a few experts. x [S, D]."""
     combine = jnp.einsum("ske,sk->se", jax.nn.one_hot(experts, n_experts, dtype=weights.dtype),
                          weights)
-    gate = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_gate"]), "moe_mlpwi_0")
-    up = checkpoint_name(jnp.einsum("sd,edf->sef", x, w["we_up"]), "moe_mlpwi_1")
-    out = checkpoint_name(jnp.einsum("sef,efd->sed", jax.nn.silu(gate) * up, w["we_down"]),
-                          "moe_mlpwo")
+    out = _swiglu(x, w, partial(jnp.einsum, "sd,edf->sef"), partial(jnp.einsum, "sef,efd->sed"))
     return jnp.einsum("sed,se->sd", out.astype(jnp.float32), combine).astype(x.dtype)
 
 
@@ -35,11 +39,8 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
     order = jnp.argsort(experts.reshape(-1))
     tokens = order // k
     sizes = jnp.bincount(experts.reshape(-1), length=n_experts).astype(jnp.int32)
-    rows = x[tokens]
-    gate = checkpoint_name(jax.lax.ragged_dot(rows, w["we_gate"], sizes), "moe_mlpwi_0")
-    up = checkpoint_name(jax.lax.ragged_dot(rows, w["we_up"], sizes), "moe_mlpwi_1")
-    out = checkpoint_name(jax.lax.ragged_dot(jax.nn.silu(gate) * up, w["we_down"], sizes),
-                          "moe_mlpwo")
+    grouped = partial(jax.lax.ragged_dot, group_sizes=sizes)
+    out = _swiglu(x[tokens], w, grouped, grouped)
     out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[tokens].add(out)
 
@@ -80,8 +81,8 @@ def _dispatch(x, slot_pairs, pair_slots):
     return _rows(x, slot_pairs // pair_slots.shape[1])
 
 
-def _dispatch_fwd(x, slot_pairs, pair_slots):
-    return _dispatch(x, slot_pairs, pair_slots), (slot_pairs, pair_slots)
+def _dispatch_fwd(x, *indices):
+    return _dispatch(x, *indices), indices
 
 
 def _dispatch_bwd(residuals, grad):
@@ -101,9 +102,8 @@ def _combine(blocks, weights, slot_pairs, pair_slots):
     return (rows * weights[..., None]).sum(axis=1).astype(blocks.dtype)
 
 
-def _combine_fwd(blocks, weights, slot_pairs, pair_slots):
-    return _combine(blocks, weights, slot_pairs, pair_slots), (blocks, weights, slot_pairs,
-                                                               pair_slots)
+def _combine_fwd(*args):
+    return _combine(*args), args
 
 
 def _combine_bwd(residuals, grad):
@@ -123,9 +123,8 @@ def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertPa
                       axis: str | None):
     """Expert parallelism on one device: x [S, D] its tokens, w its E/P experts. Returns the
     routed output [S, D] and, per expert [E], how many of this device's (token, expert) pairs
-    found their block full (dropped).
-    Without `axis` (one device's share traced alone, as the memory plan does) the exchange is
-    the identity: the same shapes, no communication."""
+    found their block full (dropped). Without `axis` (one device's share traced alone, as the
+    memory plan does) the exchange is the identity: the same shapes, no communication."""
     P, local = parallel.devices, n_experts // parallel.devices
     S, k = experts.shape
     C = parallel.block_rows(S, k, n_experts)
@@ -145,10 +144,8 @@ def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertPa
     send = _dispatch(x, slot_pairs, pair_slots)
     received = exchange(rearrange(send, "(p lc) d -> p lc d", p=P))
     rows = rearrange(received, "p (l c) d -> l (p c) d", l=local)  # per local expert
-    gate = checkpoint_name(jnp.einsum("lrd,ldf->lrf", rows, w["we_gate"]), "moe_mlpwi_0")
-    up = checkpoint_name(jnp.einsum("lrd,ldf->lrf", rows, w["we_up"]), "moe_mlpwi_1")
-    out = checkpoint_name(jnp.einsum("lrf,lfd->lrd", jax.nn.silu(gate) * up, w["we_down"]),
-                          "moe_mlpwo")
+    out = _swiglu(rows, w, partial(jnp.einsum, "lrd,ldf->lrf"),
+                  partial(jnp.einsum, "lrf,lfd->lrd"))
     back = exchange(rearrange(out, "l (p c) d -> p (l c) d", p=P))
     dropped = jnp.zeros((n_experts,), jnp.int32).at[chosen].add((~kept).astype(jnp.int32))
     return (_combine(rearrange(back, "p lc d -> (p lc) d"), weights, slot_pairs, pair_slots),

@@ -1,6 +1,6 @@
 """The model families: each one module (model/llama.py, model/deepseek.py) with its config
 class, layer scans and their tags, parameters, forward, FLOP count and Hugging Face names;
-found here by its config or by config.json's model_type."""
+found here by its config."""
 
 from model import deepseek, llama
 
@@ -10,11 +10,6 @@ FAMILIES = (llama, deepseek)
 def of(cfg):
     """The family module of a model config."""
     return next(family for family in FAMILIES if isinstance(cfg, family.CONFIG))
-
-
-def by_hf_type(model_type: str):
-    """The family of a Hugging Face config.json's model_type; None if none is."""
-    return next((family for family in FAMILIES if family.HF_TYPE == model_type), None)
 
 
 def scan_tags(cfg) -> dict[str, tuple[str, ...]]:

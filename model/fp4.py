@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.quant import (BLOCK, NVFP4Tensor, Quantization, QuantError, quantize,
-                         split_blocks)
+from model.quant import BLOCK, NVFP4Tensor, Quantization, QuantError, quantize, split_blocks
 
 
 # Transformer Engine's sign vector for the weight gradient's Hadamard transform: fixed, the
@@ -39,8 +38,7 @@ def hadamard(x: jax.Array, axis: int) -> jax.Array:
     XLA keeps no f32 copy of it)."""
     rotated = jnp.einsum("...s,hs->...h", jnp.moveaxis(split_blocks(x, axis), axis + 1, -1),
                          jnp.asarray(hadamard_matrix(), x.dtype),
-                         preferred_element_type=jnp.float32,
-                         precision=jax.lax.Precision.HIGHEST)
+                         preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return jnp.moveaxis(rotated.astype(x.dtype), -1, axis + 1).reshape(x.shape)
 
 
@@ -61,18 +59,16 @@ def tiled(codes: jax.Array, tile_scales: jax.Array, tensor_scale: jax.Array,
     """A 2-D matrix of 16x16 tiles (codes [R, C], scales [R/16, C/16]) with its blocks along
     `axis`: each tile's scale serves both ways, so the same codes multiply as the matrix or,
     transposed, as its transpose (TE's point of 2-D weight scaling)."""
-    return NVFP4Tensor(codes, jnp.repeat(tile_scales, BLOCK, axis=1 - axis), tensor_scale,
-                       axis, True)
+    return NVFP4Tensor(codes, jnp.repeat(tile_scales, BLOCK, axis=1 - axis), tensor_scale, axis)
 
 
 def block_scaled_matmul(a: NVFP4Tensor, b: NVFP4Tensor, path: str, dtype) -> jax.Array:
     """a [R, K] times b [C, K] transposed -> [R, C] in `dtype`, both 16-blocks along K.
     "scaled": Blackwell's block-scaled GEMM (cuDNN) on codes and block scales; "dequantize":
-    codes times block scales in `dtype` (exact: an E2M1 code times an E4M3 scale has at most
-    6 significant bits), then an ordinary GEMM: the same numbers, on any backend. Both
-    accumulate in f32 and round to `dtype` (the GEMM's output stays [R, C] in the compute
-    dtype, never f32), then the tensor scales multiply, in f32 (XLA fuses that into the
-    consumer)."""
+    codes times block scales in `dtype` (exact: an E2M1 code times an E4M3 scale has at most 6
+    significant bits), then an ordinary GEMM: the same numbers, on any backend. Both accumulate
+    in f32 and round to `dtype` (the GEMM's output stays [R, C] in the compute dtype, never
+    f32), then the tensor scales multiply, in f32 (XLA fuses that into the consumer)."""
     if a.axis != 1 or b.axis != 1:
         raise ValueError("block_scaled_matmul takes operands blocked along their last axis")
     if path == "scaled":
@@ -119,15 +115,14 @@ def _forward(x, w, key, recipe, gathered):
                   transposed(dataclasses.replace(weight, codes=codes, block_scales=scales)))
         out = block_scaled_matmul(quantize(x, 1, codes_dtype=codes_dtype), w_rows,
                                   recipe.path, x.dtype)
-    if recipe.backward == "bf16":
-        return out, (x, w, key)
-    return out, (x, (codes, scales, weight.tensor_scale), key)
+    saved = w if recipe.backward == "bf16" else (codes, scales, weight.tensor_scale)
+    return out, (x, saved, key)
 
 
 def random_bits(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """uint32 bits for stochastic rounding, a keyed hash of each element's index (two rounds
     of the "lowbias32" integer mixer): a few integer operations per element, which XLA fuses
-    into the quantization that reads them, where threefry takes ~100 and its own kernel."""
+    into the quantization that reads them, where threefry takes far more and its own kernel."""
     seed = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)
 
     def mix(v):
@@ -146,9 +141,8 @@ def _codes_dtype(path: str, dtype):
 
 
 def rounding_bits(key: jax.Array, dy_shape: tuple[int, int]):
-    """The stochastic rounding's random bits of one backward, each dy's shape: for dy
-    quantized along its rows (Dgrad), and along its tokens after the Hadamard transform
-    (Wgrad)."""
+    """The stochastic rounding's random bits of one backward, each dy's shape: for Dgrad (dy
+    along its rows) and Wgrad (dy along its tokens, after the Hadamard transform)."""
     return (random_bits(jax.random.fold_in(key, 0), dy_shape),
             random_bits(jax.random.fold_in(key, 1), dy_shape))
 

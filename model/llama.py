@@ -6,7 +6,7 @@ checkpoint policy can keep, offload or recompute each tensor by name.
 
 The family's parts that the rest of the trainer reads (found through `model.families`):
 CONFIG, SCANS (its layer scans and their tags), UNQUANTIZED, param_specs, trunk, forward,
-training_flops, and HF_TYPE and hf_tensors (its Hugging Face names).
+training_flops and hf_tensors (its Hugging Face names).
 """
 
 import jax
@@ -14,13 +14,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
-                          constrain, einsum, layer_keys, layer_weights, param_count, rms_norm,
-                          rope_frequencies, rope_tables, scan_layers, stack, swiglu, unembed)
+                          constrain, einsum, hf_layer, hf_swiglu, layer_keys, layer_weights,
+                          param_count, rms_norm, rope_frequencies, rope_tables, scan_layers,
+                          stack, swiglu, swiglu_specs, unembed)
 from model.quant import Quantization
 from model.config import LlamaConfig
 
 CONFIG = LlamaConfig
-HF_TYPE = "llama"  # config.json's model_type
 # The layer scan (named as its parameter subtree and its named_scope) and its tags in layer
 # order: the only list of them, checked against the traced model by the tests.
 SCANS = {"layers": ("decoder_layer_input", "query_proj", "key_proj", "value_proj",
@@ -37,9 +37,7 @@ def param_specs(cfg: LlamaConfig) -> dict:
         "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
         "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed"), (N * H) ** -0.5),
         "mlp_norm": ParamSpec((D,), ("embed",)),
-        "w_gate": ParamSpec((D, F), ("embed", "mlp"), D**-0.5),
-        "w_up": ParamSpec((D, F), ("embed", "mlp"), D**-0.5),
-        "w_down": ParamSpec((F, D), ("mlp", "embed"), F**-0.5),
+        **swiglu_specs(D, F),
     }
     return {
         "embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
@@ -109,32 +107,22 @@ def forward(params, tokens, cfg: LlamaConfig, **options):
 
 def hf_tensors(cfg: LlamaConfig) -> dict:
     """Each parameter's tensor in a Hugging Face `LlamaForCausalLM` checkpoint."""
-    def layer(name: str, n_in: int = 0) -> HfTensor:
-        return HfTensor(f"model.layers.{{layer}}.{name}.weight", bool(n_in), n_in or 1)
-
     return {
         "embed": HfTensor("model.embed_tokens.weight"),
-        "layers": {"attn_norm": layer("input_layernorm"), "wq": layer("self_attn.q_proj", 1),
-                   "wk": layer("self_attn.k_proj", 1), "wv": layer("self_attn.v_proj", 1),
-                   "wo": layer("self_attn.o_proj", 2),
-                   "mlp_norm": layer("post_attention_layernorm"),
-                   "w_gate": layer("mlp.gate_proj", 1), "w_up": layer("mlp.up_proj", 1),
-                   "w_down": layer("mlp.down_proj", 1)},
+        "layers": {"attn_norm": hf_layer("input_layernorm"),
+                   **{f"w{x}": hf_layer(f"self_attn.{x}_proj", 1) for x in "qkv"},
+                   "wo": hf_layer("self_attn.o_proj", 2),
+                   "mlp_norm": hf_layer("post_attention_layernorm"), **hf_swiglu("mlp.")},
         "final_norm": HfTensor("model.norm.weight"),
         "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight"),
     }
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:
-    """Model FLOPs of one training step (forward + backward), MaxText's definition.
-
-    6 FLOPs per matmul weight per token (the embedding lookup counts as zero, the LM head
-    counts), plus causal attention at half the square: 3 x (4 B T^2 N H) / 2 per layer.
-    Recomputation is not counted. The weight count comes from the parameter specs.
-    """
+    """Model FLOPs of one training step (forward + backward), MaxText's definition: 6 per
+    matmul weight per token (the embedding lookup free, the LM head counted), plus causal
+    attention at half the square, 3 x (4 B T^2 N H) / 2 per layer; recomputation not counted."""
     specs = param_specs(cfg)
-    layer_matmuls = {k: v for k, v in specs["layers"].items() if len(v.shape) > 2}
-    matmul_weights = param_count(layer_matmuls) + param_count(specs["lm_head"])
-    _, _, n_heads, head_dim = specs["layers"]["wq"].shape
-    attention = 6 * cfg.n_layers * batch * seq**2 * n_heads * head_dim
-    return 6 * batch * seq * matmul_weights + attention
+    matmuls = [s for s in specs["layers"].values() if len(s.shape) > 2] + [specs["lm_head"]]
+    attention = 6 * cfg.n_layers * batch * seq**2 * cfg.n_heads * cfg.head_dim
+    return 6 * batch * seq * param_count(matmuls) + attention

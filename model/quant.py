@@ -56,17 +56,14 @@ class NVFP4Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NVFP4Tensor:
-    """A quantized weight; `dequantize` gives it back.
-
-    `block_scales` has the weight's shape with `axis` divided by 16: one scale per 16-element
-    block, also with 16x16 tiles, where the 16 rows of a tile repeat its scale. That is the
-    per-row layout a block-scaled GEMM reads, and dequantize needs no case for tiles.
-    """
+    """A quantized weight; `dequantize` gives it back. `block_scales` has the weight's shape
+    with `axis` divided by 16: one scale per 16-element block, also with 16x16 tiles, where the
+    16 rows of a tile repeat its scale. That is the per-row layout a block-scaled GEMM reads,
+    and dequantize needs no case for tiles."""
     codes: jax.Array  # float4_e2m1fn (or its values in a float dtype), the weight's shape
     block_scales: jax.Array  # float8_e4m3fn
     tensor_scale: jax.Array  # f32 scalar, S_dec ~ amax / 2688
     axis: int = dataclasses.field(metadata={"static": True})
-    two_d: bool = dataclasses.field(metadata={"static": True})
 
 
 def _tile_axis(ndim: int, axis: int) -> int:
@@ -159,7 +156,7 @@ def quantize(w: jax.Array, axis: int, two_d: bool = False, bits: jax.Array | Non
         codes = round_nearest(codes)  # what the cast to E2M1 does, which a CPU does slowly
     # (Cast straight from the scaled values, XLA's SPMD partitioner gathers the E2M1 codes of
     # a sharded weight; from round_nearest's f32 values it gathers those.)
-    return NVFP4Tensor(codes.astype(codes_dtype), scales, s_dec, axis, two_d)
+    return NVFP4Tensor(codes.astype(codes_dtype), scales, s_dec, axis)
 
 
 def dequantize(q: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:

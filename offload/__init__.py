@@ -1,1 +1,1 @@
-"""Activation placement: which tagged tensors stay on device, go to host, or are recomputed."""
+"""What waits in host memory: the activations' placement and the optimizer state on host."""

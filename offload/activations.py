@@ -47,13 +47,6 @@ def presets_for(scan_tags: Mapping) -> list[str]:
             if all(scan in scan_tags for scan, v in table.items() if isinstance(v, dict))]
 
 
-def _place(tables: dict, scans: list[str], tag: str, place: str, where: str) -> None:
-    if place not in PLACEMENTS:
-        raise ValueError(f"{where}={place!r}: placement must be one of {', '.join(PLACEMENTS)}")
-    for scan in scans:
-        tables[scan][tag] = place
-
-
 def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
     """scan -> {tag: device|offload|remat}: the preset, then `changes` ("tag" for every scan
     that has it, "scan.tag" for one), each checked against the model's tags."""
@@ -74,7 +67,11 @@ def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> di
             known = sorted({t for tags in scan_tags.values() for t in tags})
             raise ValueError(f"placement.{key}: the model has no tag {tag!r} there; tags: "
                              f"{', '.join(known)}")
-        _place(tables, scans, tag, place, f"placement.{key}")
+        if place not in PLACEMENTS:
+            raise ValueError(f"placement.{key}={place!r}: placement must be one of "
+                             f"{', '.join(PLACEMENTS)}")
+        for s in scans:
+            tables[s][tag] = place
     return tables
 
 

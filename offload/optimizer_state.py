@@ -111,11 +111,8 @@ def _join(state, pieces, params):
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (or arrays)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
-        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
-    return total
+    return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape))
+               * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def moment_bytes(opt_state) -> int:

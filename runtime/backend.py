@@ -53,40 +53,44 @@ def has_cuda_plugin() -> bool:
 def memory_fraction() -> tuple[float, str]:
     """(the share of each GPU's memory XLA's pool takes, the variable that says so)."""
     for name in FRACTION_VARIABLES:
-        if os.environ.get(name):
+        if value := os.environ.get(name):
             try:
-                fraction = float(os.environ[name])
+                fraction = float(value)
             except ValueError:
                 fraction = -1.0
             if not 0 < fraction <= 1:
-                raise BackendError(f"{name}={os.environ[name]!r}: expected a fraction in (0, 1]")
+                raise BackendError(f"{name}={value!r}: expected a fraction in (0, 1]")
             return fraction, name
     return MEMORY_FRACTION, FRACTION_VARIABLES[0]
 
 
 @contextlib.contextmanager
-def _rewritten_stderr(rewrite):
+def captured_stderr(rewrite=lambda line: line, keep_on_error=True):
     """Run the body with file descriptor 2 captured (C++ libraries write there directly, below
-    Python's sys.stderr), then write each captured line as `rewrite` returns it."""
+    Python's sys.stderr), then write each captured line as `rewrite` returns it; a body that
+    raises drops them unless `keep_on_error`. Yields the real stderr's descriptor."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
+        succeeded = False
         try:
-            yield
+            yield saved
+            succeeded = True
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-            captured.seek(0)
-            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
-            sys.stderr.write("".join(map(rewrite, lines)))
+            if succeeded or keep_on_error:
+                captured.seek(0)
+                lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+                sys.stderr.write("".join(map(rewrite, lines)))
 
 
 def quiet():
     """Drop the CUDA plugin's start-up messages on a machine without a GPU; keep the rest."""
     if has_gpu() or not has_cuda_plugin():
         return contextlib.nullcontext()
-    return _rewritten_stderr(lambda line: "" if _CUDA_STUB_NOISE.search(line) else line)
+    return captured_stderr(lambda line: "" if _CUDA_STUB_NOISE.search(line) else line)
 
 
 # XLA's rematerialization pass warns from its own estimate of a GPU program's memory: made
@@ -100,8 +104,8 @@ REMAT_NOTE = ("  (XLA's rematerialization pass: its estimate counts the host buf
 
 def explained_compile():
     """While XLA compiles: its rematerialization warning gets a line that says what it is."""
-    return _rewritten_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line)
-                             else line)
+    return captured_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line)
+                           else line)
 
 if has_cuda_plugin() and not has_gpu():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -43,19 +43,18 @@ _SAME_ON_RESUME = ("seq", "steps", "optimizer", "compute_dtype", "param_dtype", 
                    "router_bias_rate", "balance_loss_weight")
 
 
-def _first_line(error: Exception) -> str:
-    """Of an Orbax or TensorStore error (often pages long), what one line can hold."""
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+class CheckpointNotFound(ConfigError):
+    """A resume or export target with no complete, readable checkpoint: exit status 2."""
 
 
 def _read(step_dir: Path, **items) -> dict:
     """Items of one step folder (a reader: it never creates, writes or deletes anything)."""
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
-        return reader.restore(step_dir, args=ocp.args.Composite(**items))
-
-
-class CheckpointNotFound(ConfigError):
-    """A resume or export target with no complete, readable checkpoint: exit status 2."""
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+            return reader.restore(step_dir, args=ocp.args.Composite(**items))
+    except Exception as e:  # Orbax and TensorStore raise many types for damaged files
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]  # often pages long
+        raise CheckpointNotFound(f"checkpoint {step_dir} does not read back: {first}") from None
 
 
 def _plain(value) -> object:
@@ -76,11 +75,8 @@ def run_meta(step: int, setup, batch_size: int) -> dict:
 
 def differences(meta: dict, setup, batch_size: int) -> list[str]:
     """What in this run differs from the checkpoint in ways that change the numbers."""
-    found = []
-    if meta["model"] != _plain(setup.model):
-        keys = [k for k, v in _plain(setup.model).items() if meta["model"].get(k) != v]
-        found += [f"model.{k}={meta['model'].get(k)} in the checkpoint, "
-                  f"{getattr(setup.model, k)} here" for k in keys]
+    found = [f"model.{k}={meta['model'].get(k)} in the checkpoint, {getattr(setup.model, k)} here"
+             for k, v in _plain(setup.model).items() if meta["model"].get(k) != v]
     run = _plain(setup.run)
     found += [f"{k}={meta['run'][k]} in the checkpoint, {run[k]} here" for k in _SAME_ON_RESUME
               if meta["run"].get(k) != run[k]]
@@ -99,11 +95,7 @@ class Source:
 
     def meta(self, step: int) -> dict:
         where = self.directory / str(step)
-        try:
-            meta = _read(where, meta=ocp.args.JsonRestore())["meta"]
-        except Exception as e:
-            raise CheckpointNotFound(f"checkpoint {where}: its settings do not read back "
-                                     f"({_first_line(e)})") from None
+        meta = _read(where, meta=ocp.args.JsonRestore())["meta"]
         if not isinstance(meta, dict) or (missing := _META_KEYS - meta.keys()):
             raise CheckpointNotFound(f"checkpoint {where}: not one of this trainer's (its "
                                      f"settings lack {sorted(missing or _META_KEYS)[0]!r})")
@@ -140,9 +132,8 @@ def find(target: str, out_dir: str, run_prefix: str) -> Source:
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if steps := _complete_steps(directory):
         return Source(directory, tuple(steps), False)
-    partial = [p.name for p in directory.glob("*.orbax-checkpoint-tmp*")] if \
-        directory.is_dir() else []
-    why = (f"only an unfinished save ({partial[0]})" if partial else "no complete checkpoint")
+    partial = [p.name for p in directory.glob("*.orbax-checkpoint-tmp*")]
+    why = f"only an unfinished save ({partial[0]})" if partial else "no complete checkpoint"
     raise CheckpointNotFound(f"resume={target}: {why} in {directory}")
 
 
@@ -150,13 +141,12 @@ def check_outputs(setup, batch_size: int) -> Source | None:
     """The output folders and the resume checkpoint, checked before anything is compiled: an
     unusable folder, a checkpoint directory in use or a resume that cannot work is one line."""
     run = setup.run
-    for key in ("out_dir", "checkpoint_dir"):
-        path = Path(getattr(run, key))
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if getattr(run, key) and not existing.is_dir():
-            raise ConfigError(f"{key}={getattr(run, key)}: {existing} is a file, not a folder")
-        if getattr(run, key) and not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}={getattr(run, key)}: {existing} is not writable")
+    for key, folder in (("out_dir", run.out_dir), ("checkpoint_dir", run.checkpoint_dir)):
+        existing = next(p for p in (Path(folder), *Path(folder).parents) if p.exists())
+        if folder and not existing.is_dir():
+            raise ConfigError(f"{key}={folder}: {existing} is a file, not a folder")
+        if folder and not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={folder}: {existing} is not writable")
     if run.checkpoint_dir and any(Path(run.checkpoint_dir).glob("*")):
         raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
                           f"{run.checkpoint_dir} continues from it; a new run needs a new folder")
@@ -186,17 +176,16 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
     searching, an unreadable step is reported and the one before it is tried."""
     optimizer = {"opt_state": abstract_state["opt_state"], "step": abstract_state["step"]}
     for step in source.steps:
-        got, problem = None, "another process could not read its shards"
+        where = source.directory / str(step)
+        got, problem = None, f"checkpoint {where}: another process could not read its shards"
         try:
-            got = _read(source.directory / str(step),
-                        params=ocp.args.StandardRestore(abstract_state["params"]),
+            got = _read(where, params=ocp.args.StandardRestore(abstract_state["params"]),
                         optimizer=ocp.args.StandardRestore(optimizer),
                         meta=ocp.args.JsonRestore())
-        except Exception as e:  # Orbax and TensorStore raise many types for damaged files
-            problem = _first_line(e)
+        except CheckpointNotFound as e:
+            problem = str(e)
         if _everywhere(got is not None):  # every process falls back or fails together
             return {"params": got["params"], **got["optimizer"]}, got["meta"]
-        problem = f"checkpoint {source.directory / str(step)} does not read back: {problem}"
         if source.named_step or step == source.steps[-1]:
             raise CheckpointNotFound(problem) from None
         if jax.process_index() == 0:
@@ -206,13 +195,8 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
 
 def read_params(source: Source, abstract_params) -> tuple[dict, dict]:
     """(params, meta) of the newest step: for export, without the optimizer state."""
-    step = source.steps[0]
-    try:
-        got = _read(source.directory / str(step),
-                    params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
-    except Exception as e:
-        raise CheckpointNotFound(f"checkpoint {source.directory / str(step)} does not read "
-                                 f"back: {_first_line(e)}") from None
+    got = _read(source.directory / str(source.steps[0]),
+                params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
     return got["params"], got["meta"]
 
 
@@ -241,7 +225,6 @@ class Saver:
         self.saved.append(self.directory / str(step))
 
     def close(self) -> None:
-        """Wait until every save is complete on disk."""
         if self.manager is not None:
             self.manager.wait_until_finished()
             self.manager.close()

@@ -36,7 +36,7 @@ class TokenFile:
             raise DataError(f"data.path={path!r}: {size} bytes is not a whole number of "
                             f"{dtype} tokens")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
-        self.vocab, self.seed, self.path = vocab, seed, path
+        self.seed = seed
         if len(self.tokens) < seq + 1:
             raise DataError(f"data.path={path!r}: {len(self.tokens)} tokens, fewer than one "
                             f"window of seq+1={seq + 1}")

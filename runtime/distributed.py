@@ -11,14 +11,11 @@ A batch script's own commands (the plan before its srun) stay single processes: 
 step sets the variables JAX's SLURM detection reads.
 """
 
-import contextlib
 import dataclasses
 import errno
 import os
 import re
 import socket
-import sys
-import tempfile
 import threading
 import warnings
 
@@ -64,8 +61,7 @@ def _explicit() -> Launch:
         given = [name for name in EXPLICIT if os.environ.get(name)]
         raise ConfigError(f"{' and '.join(given)} set without {' and '.join(missing)}: an "
                           f"explicit multi-process launch sets all of {', '.join(EXPLICIT)}")
-    ids = _local_ids()
-    return Launch(os.environ[EXPLICIT[0]], _int(EXPLICIT[1]), _int(EXPLICIT[2]), ids)
+    return Launch(os.environ[EXPLICIT[0]], _int(EXPLICIT[1]), _int(EXPLICIT[2]), _local_ids())
 
 
 def _local_ids() -> tuple[int, ...] | None:
@@ -102,13 +98,6 @@ def detect() -> Launch | None:
     return launch if launch.num_processes > 1 else None
 
 
-def _timeout() -> int:
-    seconds = _int(TIMEOUT_VARIABLE) if os.environ.get(TIMEOUT_VARIABLE) else DEFAULT_TIMEOUT_S
-    if seconds < 1:
-        raise ConfigError(f"{TIMEOUT_VARIABLE}={seconds}: expected at least 1 second")
-    return seconds
-
-
 def _port_taken(coordinator: str) -> bool:
     """Whether another program listens on the coordinator's port here, on any address (JAX
     binds [::]:port). XLA's service has then crashed instead of raising (jaxlib 0.10.2); gRPC
@@ -128,24 +117,6 @@ def _port_taken(coordinator: str) -> bool:
     return False  # no address family to probe with: let JAX find out
 
 
-@contextlib.contextmanager
-def _stderr_held():
-    """While XLA connects, what C++ writes to file descriptor 2 (gRPC's logs of a failed bind
-    or connection) goes to a file, written out only if the connection succeeds: a failure is
-    reported in one line instead. Yields the real stderr's descriptor."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield saved
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        held.seek(0)  # reached only when the body succeeded
-        sys.stderr.write(held.read().decode(errors="replace"))
-
-
 def _give_up(launch: Launch, seconds: int, stderr: int) -> None:
     os.write(stderr, (f"error: {launch.describe()}: the processes did not all join within "
                       f"{seconds} s (one not started, failed, or given another coordinator "
@@ -160,7 +131,9 @@ def initialize() -> Launch | None:
     launch = detect()
     if launch is None or jax.distributed.is_initialized():
         return launch
-    seconds = _timeout()
+    seconds = _int(TIMEOUT_VARIABLE) if os.environ.get(TIMEOUT_VARIABLE) else DEFAULT_TIMEOUT_S
+    if seconds < 1:
+        raise ConfigError(f"{TIMEOUT_VARIABLE}={seconds}: expected at least 1 second")
     if (launch.process_id == 0 and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
             and _port_taken(launch.coordinator)):
         raise ConfigError(f"{launch.describe()}: the coordinator's port is taken on this host "
@@ -169,7 +142,8 @@ def initialize() -> Launch | None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     local = None if launch.local_device_ids is None else list(launch.local_device_ids)
     try:
-        with _stderr_held() as stderr:
+        # gRPC's logs of a failed bind or connection are dropped: the failure is one line.
+        with backend.captured_stderr(keep_on_error=False) as stderr:
             watchdog = threading.Timer(seconds, _give_up, (launch, seconds, stderr))
             watchdog.daemon = True
             watchdog.start()

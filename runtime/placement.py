@@ -63,18 +63,18 @@ def walk(jaxpr, count=1, scan="") -> Iterator[tuple[jex_core.JaxprEqn, int, str,
             yield from walk(sub, inner, inner_scan)
 
 
-def offloaded_in(jaxpr) -> dict[str, list[Tagged]]:
-    """tag -> the values a traced step moves to host memory straight from that tag: a
-    checkpoint policy that offloads a name puts a `device_put` to host after its equation."""
+def tagged_in(jaxpr, offloaded: bool = False) -> dict[str, list[Tagged]]:
+    """tag -> its `checkpoint_name` sites, in trace order; with `offloaded`, the values a
+    traced step moves to host memory straight from them: a checkpoint policy that offloads a
+    name puts a `device_put` to host after its equation."""
     found: dict[str, list[Tagged]] = {}
     for eqn, count, scan, producers in walk(jaxpr):
-        if eqn.primitive.name != "device_put":
-            continue
-        if not any("host" in str(d).lower() for d in eqn.params["devices"]):
-            continue
-        source = producers.get(eqn.invars[0])
-        if source is not None and source.primitive.name == "name":
-            aval, tag = eqn.invars[0].aval, source.params["name"]
+        if offloaded:  # the site is the equation that makes what the device_put moves
+            to_host = eqn.primitive.name == "device_put" and any(
+                "host" in str(d).lower() for d in eqn.params["devices"])
+            eqn = producers.get(eqn.invars[0]) if to_host else None
+        if eqn is not None and eqn.primitive.name == "name":
+            aval, tag = eqn.invars[0].aval, eqn.params["name"]
             found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
     return found
 
@@ -111,16 +111,11 @@ class CompiledMemory:
 # pinned host), made by an AllocateBuffer custom call.
 _HOST_BUFFER = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*S\(5\)\} custom-call\(\), "
                           r'custom_call_target="AllocateBuffer"')
-_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "s32": "int32"}
+DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
+               "s32": "int32", "i32": "int32"}  # as HLO (s32) and StableHLO (i32) print them
 
 
-def host_buffers(hlo_text: str) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of every stacked host buffer of a compiled GPU program."""
-    return [(tuple(int(d) for d in dims.split(",") if d), _DTYPES.get(dtype, dtype))
-            for dtype, dims in _HOST_BUFFER.findall(hlo_text)]
-
-
-def _size(n: int) -> str:
+def size_words(n: int) -> str:
     if n >= GiB:
         return f"{n / GiB:.1f} GiB"
     return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
@@ -130,7 +125,8 @@ def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) ->
     """Per offloaded tag (per scan) its value per layer, per device, and where the compiled
     program keeps it: a stacked host buffer (GPU), or device memory (a CPU drops host
     placements when it compiles)."""
-    buffers = host_buffers(hlo_text) if hlo_text is not None else []
+    buffers = [(tuple(int(d) for d in dims.split(",") if d), DTYPE_NAMES.get(dtype, dtype))
+               for dtype, dims in _HOST_BUFFER.findall(hlo_text or "")]
     out = []
     for value in sorted((v for sites in offloaded.values() for v in sites),
                         key=lambda v: (v.scan, v.tag)):
@@ -142,8 +138,8 @@ def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) ->
             where = f"host memory, stacked over {value.count} layers"
         else:
             where = "NOT in host memory in the compiled program"
-        shape = "x".join(map(str, value.shape))
-        out.append(f"{value.scan:<13}{value.tag:<20}{shape:<22}{_size(value.nbytes):>9}  {where}")
+        shape, size = "x".join(map(str, value.shape)), size_words(value.nbytes)
+        out.append(f"{value.scan:<13}{value.tag:<20}{shape:<22}{size:>9}  {where}")
     return out
 
 

@@ -2,6 +2,7 @@
 profile), the header (built as rows of data), a line per step, the summary; comparison
 tables. Only process 0 prints and writes."""
 
+import contextlib
 import json
 import math
 import os
@@ -49,9 +50,8 @@ def _placement_line(tables: dict | None) -> str:
 
 def kernels_line(model, run, target) -> str:
     """The kernels the target's step uses: attention, NVFP4 path, experts."""
-    options = forward_options(model, run, target)
     parts = []
-    for name, value in options.items():
+    for name, value in forward_options(model, run, target).items():
         if name == "quantization":
             parts.append(quantization_words(value))
         elif name != "expert_parallel":
@@ -76,26 +76,10 @@ def new_run_dir(root: str, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1000):
         path = Path(root) / (f"{name}-{stamp}" + (f"-{n}" if n else ""))
-        try:
+        with contextlib.suppress(FileExistsError):
             path.mkdir(parents=True)
             return path
-        except FileExistsError:
-            continue
     raise RuntimeError(f"no free run folder under {root}")
-
-
-def _shared_run_dir(root: str, name: str) -> Path:
-    """Process 0 makes the run folder and tells the others its name (checkpoints go under it,
-    and every process writes its own shards there)."""
-    path = new_run_dir(root, name) if jax.process_index() == 0 else None
-    if jax.process_count() == 1:
-        return path
-    text = np.zeros(1024, np.uint8)
-    if path is not None:
-        encoded = str(path).encode()
-        text[:len(encoded)] = np.frombuffer(encoded, np.uint8)
-    text = multihost_utils.broadcast_one_to_all(text)
-    return Path(bytes(np.asarray(text)).rstrip(b"\0").decode())
 
 
 class RunDir:
@@ -109,7 +93,12 @@ class RunDir:
 
     @classmethod
     def create(cls, setup) -> "RunDir":
-        path = _shared_run_dir(setup.run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        name = f"{setup.experiment.name}-{setup.scale}"
+        path = new_run_dir(setup.run.out_dir, name) if jax.process_index() == 0 else None
+        if jax.process_count() > 1:
+            encoded = np.frombuffer(str(path or "").encode().ljust(1024, b"\0"), np.uint8)
+            text = multihost_utils.broadcast_one_to_all(encoded)
+            path = Path(bytes(np.asarray(text)).rstrip(b"\0").decode())
         return cls(path, Path(setup.run.checkpoint_dir or path / "checkpoints"))
 
     def write(self, name: str, record: dict) -> None:
@@ -123,7 +112,6 @@ class RunDir:
 
 
 def say(text: str = "") -> None:
-    """Print on process 0 only."""
     if jax.process_index() == 0:
         print(text, flush=True)
 
@@ -132,8 +120,7 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
                 first_step: int) -> list[tuple[str, str]]:
     """The run header as (key, value) rows: what runs, where, at which scale, with which
     kernels, flags and placement, what its compiled program holds, where its outputs go."""
-    run, full, target, mesh = setup.run, setup.experiment, built.target, built.mesh
-    devices = len(target.devices)
+    run, full, target = setup.run, setup.experiment, built.target
     scale = ("PROXY -- a small model of the same family, not the study's numbers"
              if setup.scale == "proxy" else "FULL -- the study's model and run settings")
     compute = run.compute_dtype
@@ -145,9 +132,9 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
         ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
         ("full scale", f"{model_line(full.model)}; its memory plan and GPU program: python -m "
                        f"study plan|compile {full.name}"),
-        ("devices", f"{target.description}, mesh {dict(mesh.shape)}"),
+        ("devices", f"{target.description}, mesh {dict(built.mesh.shape)}"),
         ("batch", f"{batch_size} sequences x {run.seq} tokens "
-                  f"({batch_size / devices:g} per device)"),
+                  f"({batch_size / len(target.devices):g} per device)"),
         ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                    "softmax, norms and loss float32"),
         ("kernels", kernels_line(setup.model, run, target)),
@@ -165,9 +152,8 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
 def _memory_words(built, target) -> str:
     """What the compiled program holds per device, against the pool where there is one."""
     compiled = built.compiled_memory()
-    pool = target.pool_bytes()
     words = f"{compiled.device / GiB:.2f} GiB per device"
-    if pool:
+    if pool := target.pool_bytes():
         fraction, variable = backend.memory_fraction()
         words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
     return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
@@ -184,8 +170,7 @@ def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
         hlo = built.compiled.as_text() if built.target.platform == "gpu" else None
         say("-" * 100)
         say("offloaded, per layer and device, in this run's compiled program:")
-        for line in placement.placement_lines(built.offloaded, hlo):
-            say(line)
+        say("\n".join(placement.placement_lines(built.offloaded, hlo)))
     say("=" * 100)
 
 
@@ -258,8 +243,7 @@ class StepLog:
 
     def summary(self) -> dict:
         """The run's figures (median step without the first, memory), printed and written."""
-        timed = self.times[1:] or self.times  # step 1 carries one-off warm-up work
-        median = statistics.median(timed)
+        median = statistics.median(self.times[1:] or self.times)  # not step 1's warm-up
         stats = jax.local_devices()[0].memory_stats() or {}
         analysis = self.built.compiled.memory_analysis()
         result = {
@@ -307,8 +291,8 @@ def comparison(name: str, rows: list) -> None:
                       f"{summary['host_offload_bytes_planned'] / GiB:.2f}"])
     markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     markdown += ["| " + " | ".join(row) + " |" for row in table]
-    scales = {setup.scale for setup, _ in rows}
-    print(f"\n{name} ({', '.join(sorted(scales))} scale, {jax.device_count()} x "
+    scales = ", ".join(sorted({setup.scale for setup, _ in rows}))
+    print(f"\n{name} ({scales} scale, {jax.device_count()} x "
           f"{jax.default_backend()}):")
     print("\n".join(markdown))
     folder = new_run_dir(rows[0][0].run.out_dir, name)

@@ -58,14 +58,6 @@ def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str
     return "full", f"{have} cover the experiment's mesh"
 
 
-def check(model, run: configs.RunConfig, n_devices: int) -> None:
-    """Every impossible setting, as one ConfigError; NVFP4 widths only once the rest is sound
-    (they are found by tracing the model)."""
-    found = configs.problems(model, run, n_devices)
-    if found := found or program.quantization_problems(model, run):
-        raise ConfigError("; ".join(found))
-
-
 def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False) -> Setup:
     """The run's settings, checked: at the scale these `devices` can run, or at full scale
     for the experiment's own mesh (`full`: a plan or a compile without its GPUs)."""
@@ -88,7 +80,11 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
                               f"but {experiment.name} trains a {type(experiment.model).__name__}")
     if full and run.mesh.fsdp < 1:
         raise ConfigError("full scale without its GPUs needs the mesh spelled out: set mesh.fsdp")
-    check(model, run, run.mesh.devices if full else len(devices))
+    # Every impossible setting at once; NVFP4 widths only once the rest is sound (they are
+    # found by tracing the model).
+    found = configs.problems(model, run, run.mesh.devices if full else len(devices))
+    if found := found or program.quantization_problems(model, run):
+        raise ConfigError("; ".join(found))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
     setup = Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
@@ -193,7 +189,7 @@ def build(setup: Setup, target: Target, laid_out=None, extra_options=None) -> Bu
         abstract = program.abstract_state(setup.model, run, rules, optimizer)
         arrived = optimizer_state.moment_bytes(abstract["opt_state"])
     return Built(target, rules, optimizer, compiled, compile_s,
-                 placement.offloaded_in(jaxpr.jaxpr), arrived)
+                 placement.tagged_in(jaxpr.jaxpr, offloaded=True), arrived)
 
 
 def check_host_reads(built: Built) -> None:

@@ -24,17 +24,19 @@ shape it does not understand is CANNOT VERIFY, never a pass.
 import dataclasses
 import operator
 
-from study.hlo import Computation, Instruction, Module, Shape, parse_module
+from study.hlo import Computation, Instruction, Module, Shape, ints, parse_module
 
 XLA_ISSUE = "openxla/xla #46231"
-FIXED_IN = "jax 0.11.1"  # the first release that compiles tests/tools/offload_probe.py right
 CHECKED, WRONG, UNVERIFIED = "checked", "WRONG", "CANNOT VERIFY"
 _INTEGER = ("pred", "s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64")
-_BINARY = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul,
+_SCALAR = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul,
            "maximum": max, "minimum": min, "and": operator.and_, "or": operator.or_,
            "xor": operator.xor, "shift-left": operator.lshift,
            "divide": lambda a, b: int(a / b) if b else None,
-           "remainder": lambda a, b: a - b * int(a / b) if b else None}
+           "remainder": lambda a, b: a - b * int(a / b) if b else None,
+           "select": lambda pred, a, b: a if pred else b,
+           "clamp": lambda low, x, high: min(max(x, low), high),
+           "negate": operator.neg, "not": lambda a: int(not a)}
 _COMPARE = {"EQ": operator.eq, "NE": operator.ne, "LT": operator.lt, "LE": operator.le,
             "GT": operator.gt, "GE": operator.ge}
 _PASS_THROUGH = ("copy", "bitcast", "reshape", "convert", "copy-start", "copy-done")
@@ -125,8 +127,8 @@ class _Interpreter:
             return tuple(values)
         if op in _PASS_THROUGH:
             return values[0] if values and (isinstance(values[0], (int, HostBuffer))) else None
-        if op == "custom-call" and i.attrs.get("custom_call_target") == '"AllocateBuffer"':
-            return HostBuffer(i.name, i.shape) if i.shape.on_host else None
+        if buffer := _host_buffer(i):
+            return buffer
         if op in ("dynamic-slice", "dynamic-update-slice"):
             return self.slice(i, values, loops)
         if op == "while":
@@ -147,24 +149,20 @@ class _Interpreter:
         if not isinstance(buffer, HostBuffer):
             return values[0] if write else None
         starts = values[2:] if write else values[1:]
-        sizes = (self.shape_of(i, 1).dims if write
-                 else tuple(int(s) for s in i.attrs["dynamic_slice_sizes"].strip("{}").split(",")))
-        self.accesses.append(Access(buffer, write, i, tuple(starts), sizes, self.shape_of(i, 0),
-                                    loops))
+        sizes = (self.by_name[i.operands[1]].shape.dims if write
+                 else ints(i.attrs["dynamic_slice_sizes"].strip("{}")))
+        sliced = self.by_name[i.operands[0]].shape
+        self.accesses.append(Access(buffer, write, i, tuple(starts), sizes, sliced, loops))
         return buffer if write else None
 
-    def shape_of(self, i: Instruction, operand: int) -> Shape:
-        return self.by_name[i.operands[operand]].shape
-
     def loop(self, i: Instruction, state, loops: tuple):
-        config = i.backend_config()
+        body = self.module.computations[i.attrs["body"].lstrip("%")]
         if not any(isinstance(v, HostBuffer) for v in _flat(state)) and not self.is_relevant(
-                i.called()[1] if "body" in i.attrs else i.called()[0]):
+                body.name):
             return None
-        trip = config.get("known_trip_count", {}).get("n")
+        trip = i.backend_config().get("known_trip_count", {}).get("n")
         if trip is None:
             raise CannotVerify(f"loop {i.name} has no known trip count")
-        body = self.module.computations[i.attrs["body"].lstrip("%")]
         for k in range(int(trip)):
             state = self.call(body, [state], (*loops, Loop(i.name, k)))
         return state
@@ -178,6 +176,14 @@ def _flat(values):
             yield v
 
 
+def _host_buffer(i: Instruction) -> HostBuffer | None:
+    """The stacked host buffer an `AllocateBuffer` custom call makes, if `i` is one."""
+    if (i.opcode == "custom-call" and i.shape.on_host
+            and i.attrs.get("custom_call_target") == '"AllocateBuffer"'):
+        return HostBuffer(i.name, i.shape)
+    return None
+
+
 def _scalar_literal(i: Instruction):
     if i.shape.dims or i.shape.dtype not in _INTEGER:
         return None
@@ -189,20 +195,9 @@ def _arithmetic(i: Instruction, values: list):
     """Scalar integer arithmetic; None where a value is unknown or not a scalar integer."""
     if i.shape.dims or i.shape.is_tuple or i.shape.dtype not in _INTEGER or None in values:
         return None
-    op = i.opcode
-    if op in _BINARY and len(values) == 2:
-        return _BINARY[op](*values)
-    if op == "compare":
+    if i.opcode == "compare":
         return int(_COMPARE[i.attrs["direction"]](*values))
-    if op == "select":
-        return values[1] if values[0] else values[2]
-    if op == "clamp":
-        return min(max(values[1], values[0]), values[2])
-    if op == "negate":
-        return -values[0]
-    if op == "not":
-        return int(not values[0])
-    return None
+    return _SCALAR[i.opcode](*values) if i.opcode in _SCALAR else None
 
 
 def descriptor(i: Instruction) -> tuple[int, int, int | None] | None:
@@ -239,17 +234,13 @@ class Proof:
         return self.detail if self.holds else f"ADDRESSING {self.verdict}"
 
 
-def _layer_bytes(buffer: HostBuffer) -> int:
-    return buffer.shape.nbytes // buffer.shape.dims[0]
-
-
 def _meant(access: Access) -> int:
     """The byte offset the program means: start indices clamped as XLA clamps them, times the
     byte strides of the buffer's layout; one whole layer, or CannotVerify."""
     shape = access.sliced
     if None in access.start:
         raise CannotVerify(f"{access.where}: a start index the proof cannot evaluate")
-    if shape.dims != access.buffer.shape.dims or tuple(access.sizes) != (1, *shape.dims[1:]):
+    if shape.dims != access.buffer.shape.dims or access.sizes != (1, *shape.dims[1:]):
         raise CannotVerify(f"{access.where}: a slice that is not one whole layer "
                            f"({list(access.sizes)} of {list(shape.dims)})")
     starts = [min(max(s, 0), d - n) for s, d, n in zip(access.start, shape.dims, access.sizes)]
@@ -274,7 +265,8 @@ def _addressed(access: Access, meant: int) -> tuple[int, str]:
 
 
 def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
-    size, layers = _layer_bytes(buffer), buffer.shape.dims[0]
+    layers = buffer.shape.dims[0]
+    size = buffer.shape.nbytes // layers  # one layer's bytes
     walks = {True: [], False: []}
     for access in accesses:
         meant = _meant(access)
@@ -284,8 +276,8 @@ def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
             return Proof(buffer, WRONG, (
                 f"{kind} {len(walks[access.write])} ({access.where}) means layer "
                 f"{meant // size} (the loop passes index {access.start[0]}), but {how} "
-                f"addresses layer {addressed / size:g}: the GPU would "
-                f"{'write' if access.write else 'read'} another layer's bytes ({XLA_ISSUE})"))
+                f"addresses layer {addressed / size:g}: the GPU would {kind} another layer's "
+                f"bytes ({XLA_ISSUE})"))
         walks[access.write].append(meant // size)
     writes, reads = walks[True], walks[False]
     if sorted(writes) != list(range(layers)) or sorted(reads) != list(range(layers)):
@@ -308,9 +300,8 @@ def accesses(hlo: str) -> list[Access]:
 def prove(hlo: str) -> list[Proof]:
     """A verdict per stacked host buffer of an optimized GPU program (its HLO text)."""
     module = parse_module(hlo)
-    buffers = [HostBuffer(i.name, i.shape) for c in module.computations.values()
-               for i in c.instructions if i.opcode == "custom-call" and i.shape.on_host
-               and i.attrs.get("custom_call_target") == '"AllocateBuffer"']
+    buffers = [b for c in module.computations.values() for i in c.instructions
+               if (b := _host_buffer(i))]
     if not buffers:
         return []
     try:

@@ -14,21 +14,21 @@ import time
 from functools import partial
 from pathlib import Path
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import configs
-from runtime import report
-
-from runtime.data import SyntheticTokens
-from model import common
+from model import common, families
 from offload import activations
-from model import families
+from runtime import report
+from runtime.data import SyntheticTokens
 from trainer import program as trainer_build
 from trainer import step as trainer_step
 from trainer import target as trainer_target
+
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def timed(fn, *args, repeats: int) -> float:
     """Median seconds per call, after one warm-up call."""
@@ -39,6 +39,13 @@ def timed(fn, *args, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def in_a_fresh_process(*words: str) -> str:
+    """What `python -m study WORDS` prints in a process of its own (nothing loaded or compiled
+    before it, and its peak memory its own)."""
+    return subprocess.run([sys.executable, "-m", "study", *words], stdout=subprocess.PIPE,
+                          text=True, check=True, cwd=ROOT).stdout
 
 
 def matmul_ceiling(n: int = 2048, repeats: int = 10) -> float:
@@ -59,16 +66,14 @@ def step_time(model, run, preset: str, repeats: int) -> float:
     params = proxy_params(model)
     optimizer = trainer_step.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = trainer_build.make_loss(model, run, tables, rules=None,
-                                   target=trainer_target.this_machine())
-    step = jax.jit(partial(trainer_step.train_step, loss=loss,
-                           update=trainer_step.device_update(optimizer)),
-                   donate_argnums=0)
+    run = dataclasses.replace(run, optimizer_state="device")  # where `state` is made here
+    step = trainer_build.make_step(model, run, tables, None, optimizer,
+                                   trainer_target.this_machine())
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
-    holder = [state]
 
     def one_step():
-        holder[0], metrics = step(holder[0], batch)
+        nonlocal state  # donated: each step consumes the last one's state
+        state, metrics = step(state, batch)
         return metrics["loss"]
 
     return timed(one_step, repeats=repeats)
@@ -79,8 +84,7 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
     model, run = configs.apply_overrides(*experiment.at_scale("proxy"), overrides)
     print(f"\n{name} proxy: {report.model_line(model)}; batch {run.per_device_batch} x "
           f"{run.seq}, compute {run.compute_dtype}, quant {run.quant}, "
-          f"1 {jax.default_backend()} device; "
-          f"median of {repeats} steps")
+          f"1 {jax.default_backend()} device; median of {repeats} steps")
     flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
     print(f"{'preset':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
     times = {p: step_time(model, run, p, repeats)
@@ -91,17 +95,12 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
               f"{seconds / times['remat']:>10.2f}")
     if run.quant != "none":
         nvfp4_costs(model, run, repeats)
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "study", "plan", name], check=True,
-                   stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
-    print(f"full-scale plan (python -m study plan {name}, a fresh process): "
-          f"{time.perf_counter() - started:.1f} s")
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "study", "search", name, "search.plot=off"],
-                   check=True, stdout=subprocess.DEVNULL,
-                   cwd=Path(__file__).resolve().parent.parent)
-    print(f"placement search (python -m study search {name}, a fresh process): "
-          f"{time.perf_counter() - started:.1f} s")
+    for what, words in (("full-scale plan", ["plan", name]),
+                        ("placement search", ["search", name, "search.plot=off"])):
+        started = time.perf_counter()
+        in_a_fresh_process(*words)
+        print(f"{what} (python -m study {' '.join(words)}, a fresh process): "
+              f"{time.perf_counter() - started:.1f} s")
 
 
 QUANT_ROWS = {"none": dict(quant="none"),
@@ -117,15 +116,15 @@ def nvfp4_costs(model, run, repeats: int) -> None:
     times = {row: step_time(model, dataclasses.replace(run, **changes), run.preset, repeats)
              for row, changes in QUANT_ROWS.items()}
     params = proxy_params(model)
-    tokens = jnp.asarray(SyntheticTokens(model.vocab, 1).batch(0, run.per_device_batch,
-                                                              run.seq)[:, :-1])
+    batch = SyntheticTokens(model.vocab, 1).batch(0, run.per_device_batch, run.seq)
+    tokens = jnp.asarray(batch[:, :-1])
 
     def logits(dtype, changes):
         quantization = trainer_target.quantization(dataclasses.replace(run, **changes),
-                                             trainer_target.this_machine())
-        return np.asarray(jax.jit(partial(families.of(model).forward, cfg=model,
-                                          dtype=dtype, quantization=quantization))(
-            params, tokens)[0], np.float64)
+                                                   trainer_target.this_machine())
+        forward = partial(families.of(model).forward, cfg=model, dtype=dtype,
+                          quantization=quantization)
+        return np.asarray(jax.jit(forward)(params, tokens)[0], np.float64)
 
     reference = logits(jnp.bfloat16, QUANT_ROWS["none"])
     errors = {"none, f32": logits(jnp.float32, QUANT_ROWS["none"])}

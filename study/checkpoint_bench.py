@@ -15,12 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import jax
 
-from runtime import checkpoints
 import configs
 import train
+from runtime import checkpoints
 from runtime import setup as runtime_setup
 from trainer import target as trainer_target
 
@@ -39,11 +38,12 @@ def mean_step_s(name: str, args: list[str], out_dir: str) -> float:
     return statistics.mean(r["step_s"] for r in records[1:])
 
 
-def save_and_restore(name: str, args: list[str], directory: Path) -> dict:
+def save_and_restore(name: str, args: list[str], directory: Path) -> str:
+    """The proxy's train state: its size, and how long saving and restoring it take."""
     target = trainer_target.this_machine()
     setup = runtime_setup.resolve(name, args, target.devices)
-    state, _ = runtime_setup.start_state(setup, target)
-    nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
+    laid_out = runtime_setup.layout(setup, target)
+    state, _ = runtime_setup.start_state(setup, target, laid_out)
     saver = checkpoints.Saver(directory, keep=1, every=1)
     started = time.perf_counter()
     saver.save(1, jax.block_until_ready(state), {"step": 1})
@@ -52,27 +52,25 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> dict:
     on_disk = time.perf_counter() - started
     setup.resume = checkpoints.find(str(directory), "", "")
     started = time.perf_counter()
-    jax.block_until_ready(runtime_setup.start_state(setup, target)[0])
-    return {"bytes": nbytes, "blocking_s": blocking, "save_s": on_disk,
-            "restore_s": time.perf_counter() - started}
+    jax.block_until_ready(runtime_setup.start_state(setup, target, laid_out)[0])
+    restore = time.perf_counter() - started
+    mib = sum(a.nbytes for a in jax.tree.leaves(state)) / 2**20
+    return (f"\n{name} proxy train state: {mib:.0f} MiB (parameters and Adam moments, f32), "
+            f"{jax.device_count()} {jax.default_backend()} device(s)\n"
+            f"save: {blocking * 1e3:.0f} ms before the next step may run, {on_disk * 1e3:.0f} "
+            f"ms until complete on disk ({mib / on_disk:.0f} MiB/s); restore: "
+            f"{restore * 1e3:.0f} ms ({mib / restore:.0f} MiB/s)")
 
 
 def main(argv: list[str]) -> None:
     names = [a for a in argv if "=" not in a] or ["llama405b-offload"]
     steps = configs.parse_overrides([a for a in argv if "=" in a]).get("steps", "21")
+    args = [f"steps={steps}"]
     for name in names:
-        args = [f"steps={steps}"]
         with tempfile.TemporaryDirectory() as tmp:
-            costs = save_and_restore(name, args, Path(tmp) / "checkpoints")
+            print(save_and_restore(name, args, Path(tmp) / "checkpoints"))
             times = {every: mean_step_s(name, [*args, f"checkpoint_every={every}"],
                                         f"{tmp}/runs-{every}") for every in INTERVALS}
-        mib = costs["bytes"] / 2**20
-        print(f"\n{name} proxy train state: {mib:.0f} MiB (parameters and Adam moments, f32), "
-              f"{jax.device_count()} {jax.default_backend()} device(s)")
-        print(f"save: {costs['blocking_s'] * 1e3:.0f} ms before the next step may run, "
-              f"{costs['save_s'] * 1e3:.0f} ms until complete on disk "
-              f"({mib / costs['save_s']:.0f} MiB/s); restore: "
-              f"{costs['restore_s'] * 1e3:.0f} ms ({mib / costs['restore_s']:.0f} MiB/s)")
         print(f"{'checkpoint_every':<18}{'mean step ms':>14}{'vs none':>10}  (steps 2..{steps})")
         for every, seconds in times.items():
             print(f"{every or 'off':<18}{seconds * 1e3:>14.1f}{seconds / times[0] - 1:>+10.1%}")

@@ -7,12 +7,10 @@ import time
 
 import jax
 
-import configs
-from model import families
 from runtime import checkpoints, report
 from runtime.setup import Setup, resolve
 from study import plan as plans, predicted, search_report
-from study.compile_only import compile_only
+from study.compile_only import DEVICELESS, compile_only
 from study.compiled import compile_row
 from study.gpus import GPUS
 
@@ -35,13 +33,6 @@ def plan(name: str, args: list[str]) -> None:
           "allocated; offloads read from the step exported for a GPU)")
 
 
-def _replayed(row, name: str, **options) -> predicted.StepPrediction:
-    model, run = row.setup.model, row.setup.run
-    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
-    return predicted.predict(row.hlo, row.gpu, len(row.built.target.devices), flops,
-                             configs.STUDY_TFLOPS.get(name), **options)
-
-
 def compile(name: str, args: list[str]) -> None:
     """The experiment's full-scale step compiled for its GPUs (`device`) on compile-only
     devices, through the trainer's `build` as a run on them would: XLA's memory beside the
@@ -54,14 +45,16 @@ def compile(name: str, args: list[str]) -> None:
     print(f"compiled: {name} at full scale for {target.description}, "
           f"topology {gpu.topology(len(target.devices))}, mesh {dict(row.mesh.shape)}, "
           f"{report.model_line(setup.model)}; in {row.built.compile_s:.1f} s")
+    deviceless = " ".join(f"{k}={v}" for k, v in DEVICELESS.items())
     print(f"xla flags: {report.flags_line(run, target)} (compile-only devices also set "
-          "xla_gpu_enable_cub_radix_sort=False xla_gpu_autotune_level=0: "
-          f"study/compile_only.py); kernels: {report.kernels_line(setup.model, run, target)}")
+          f"{deviceless}: study/compile_only.py); kernels: "
+          f"{report.kernels_line(setup.model, run, target)}")
     print("\n".join(plans.plan_lines(name, run, row.full_plan)))
     compiled = row.compiled_memory()
     print("\n".join(plans.compiled_lines(compiled, row.full_plan, gpu)))
-    prediction = _replayed(row, name, keep_slices=True,
-                           device_ids=[d.id for d in row.mesh.devices.flat])
+    prediction = predicted.of_experiment(setup.experiment, row.hlo, gpu, len(target.devices),
+                                         keep_slices=True,
+                                         device_ids=[d.id for d in row.mesh.devices.flat])
     print("\n".join(predicted.lines(prediction)))
     print(predicted.exchange_line(prediction.exchanges))
     if jax.process_index() == 0:
@@ -96,6 +89,7 @@ def search(name: str, args: list[str]) -> None:
     for prediction, experiment, overrides in todo:
         row = compile_row(resolve(experiment, overrides, full=True), target)
         what = experiment if prediction.candidate.row else " ".join(overrides[len(args):])
-        found.append(search_report.Verified(prediction, row.compiled_memory(),
-                                            _replayed(row, experiment), what))
+        replayed = predicted.of_experiment(row.setup.experiment, row.hlo, gpu,
+                                           len(target.devices))
+        found.append(search_report.Verified(prediction, row.compiled_memory(), replayed, what))
     print("\n".join(search_report.verified_lines(found, result.hw.capacity)))

@@ -2,7 +2,8 @@
 XLA's real GPU compiler runs on a machine without one; the options and checks such a compile
 needs that a real GPU does not."""
 
-import contextlib
+import functools
+from unittest import mock
 
 from jax.experimental import topologies
 
@@ -23,6 +24,7 @@ def pool_bytes(gpu: Gpu) -> int:
     return int(memory_fraction()[0] * gpu.memory)
 
 
+@functools.cache  # one per GPU kind and count, shared by every compile for them
 def compile_only(gpu: Gpu, n_devices: int) -> Target:
     """`n_devices` compile-only GPUs of `gpu`'s spec, in hosts of gpu.per_host."""
     if not has_cuda_plugin():
@@ -35,7 +37,6 @@ def compile_only(gpu: Gpu, n_devices: int) -> Target:
     return Target("gpu", gpu.capability, tuple(topology.devices), compile_only=True)
 
 
-@contextlib.contextmanager
 def kernel_checks(target: Target):
     """While tracing for compile-only GPUs: JAX's Python-side cuDNN attention checks read the
     compute capability of the default backend (this machine's CPU), which would refuse
@@ -43,18 +44,10 @@ def kernel_checks(target: Target):
     # Reaching inside: the checks are module functions of JAX's cuDNN attention (jax 0.12).
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
-    def at_least(version: str) -> bool:
-        return target.capability >= tuple(int(x) for x in version.split("."))
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split("."))
 
-    def equal(version: str) -> bool:
-        return target.capability == tuple(int(x) for x in version.split("."))
-
-    names = ("check_compute_capability", "is_cuda_compute_capability_equal")
-    saved = [getattr(cudnn_attention, name) for name in names]
-    for name, check in zip(names, (at_least, equal)):
-        setattr(cudnn_attention, name, check)
-    try:
-        yield
-    finally:
-        for name, check in zip(names, saved):
-            setattr(cudnn_attention, name, check)
+    return mock.patch.multiple(
+        cudnn_attention,
+        check_compute_capability=lambda v: target.capability >= version(v),
+        is_cuda_compute_capability_equal=lambda v: target.capability == version(v))

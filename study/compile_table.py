@@ -12,9 +12,8 @@ import time
 import configs
 from runtime import backend
 from runtime import setup as runtime_setup
-from study.compile_only import compile_only, pool_bytes
+from study.compile_only import pool_bytes
 from study.compiled import compile_row
-from study.gpus import GPUS
 
 GiB = 2**30
 ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
@@ -24,24 +23,17 @@ ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepsee
 STUDY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
 
 
-def row(name: str, overrides: list[str], targets: dict) -> list[str]:
+def row(name: str, overrides: list[str]) -> list[str]:
     started = time.perf_counter()
-    setup = runtime_setup.resolve(name, overrides, full=True)
-    run = setup.run
-    key = (run.device, run.mesh.devices)
-    if key not in targets:
-        targets[key] = compile_only(GPUS[key[0]], key[1])
-    built = compile_row(setup, targets[key])
-    compiled = built.compiled_memory()
-    static = built.full_plan
-    usable = pool_bytes(GPUS[run.device])
+    built = compile_row(runtime_setup.resolve(name, overrides, full=True))
+    compiled, static = built.compiled_memory(), built.full_plan
     study = STUDY_GIB.get(name)
     return [name, f"{compiled.arguments / GiB:.1f}", f"{compiled.temporaries / GiB:.1f}",
             f"{compiled.device / GiB:.1f}", f"{static.peak_estimate / GiB:.1f}",
             f"{static.peak_estimate / compiled.device - 1:+.0%}",
             "-" if study is None else f"{study:.1f}",
             f"{compiled.host / GiB:.1f}", f"{static.host_activations / GiB:.1f}",
-            "fits" if compiled.device <= usable else "DOES NOT FIT",
+            "fits" if compiled.device <= pool_bytes(built.gpu) else "DOES NOT FIT",
             f"{built.built.compile_s:.0f}", f"{time.perf_counter() - started:.0f}"]
 
 
@@ -50,12 +42,10 @@ def main(argv: list[str]) -> int:
     overrides = [a for a in argv if "=" in a]
     header = ["row", "arguments", "temporaries", "device total", "static plan", "plan vs compiled",
               "study", "host", "plan host", "verdict", "compile s", "all s"]
-    print(f"GiB per device; {backend.memory_fraction()[1]}={backend.memory_fraction()[0]:g} "
-          f"of each GPU's memory for XLA's pool")
+    fraction, variable = backend.memory_fraction()
+    print(f"GiB per device; {variable}={fraction:g} of each GPU's memory for XLA's pool")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    targets: dict = {}
     for name in names:
-        print("| " + " | ".join(row(name, overrides, targets)) + " |", flush=True)
+        print("| " + " | ".join(row(name, overrides)) + " |", flush=True)
     return 0
-

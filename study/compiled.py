@@ -3,6 +3,7 @@
 list checked on the compiled program (host buffers, addressing)."""
 
 import dataclasses
+import functools
 
 from runtime import setup as runtime_setup
 from study import memory, plan
@@ -14,11 +15,11 @@ from trainer.target import Target
 
 @dataclasses.dataclass
 class CompiledRow:
+    """The compiled step; the plan and the placement list traced when first asked for (a
+    caller that needs only the program does not pay for them)."""
     setup: runtime_setup.Setup
     gpu: Gpu
     built: runtime_setup.Built
-    full_plan: memory.MemoryPlan  # the experiment's full-scale static plan
-    run_tags: list[memory.TagLine]  # this run's placement list, checked on its program
 
     @property
     def hlo(self) -> str:
@@ -35,6 +36,31 @@ class CompiledRow:
     def compiled_memory(self):
         return self.built.compiled_memory()
 
+    @functools.cached_property
+    def _mesh_shape(self) -> tuple[int, ...]:
+        return self.setup.run.mesh.shape(len(self.built.target.devices))
+
+    @property
+    def _is_full_scale(self) -> bool:
+        full = self.setup.experiment
+        return (full.model, full.run, full.run.mesh.shape(full.run.mesh.devices)) == (
+            self.setup.model, self.setup.run, self._mesh_shape)
+
+    @functools.cached_property
+    def full_plan(self) -> memory.MemoryPlan:
+        """The experiment's full-scale static plan (with the compiled placement where this run
+        is the full-scale one)."""
+        hlo = self.hlo if self._is_full_scale else None
+        return plan.full_scale(self.setup.experiment, self.setup.placement, hlo)
+
+    @functools.cached_property
+    def run_tags(self) -> list[memory.TagLine]:
+        """This run's placement list, checked on its compiled program."""
+        if self._is_full_scale:
+            return self.full_plan.tags
+        step = TracedStep(self.setup.model, self.setup.run, self._mesh_shape)
+        return memory.tag_lines(step, self.setup.placement, self.hlo)
+
 
 def compile_row(setup: runtime_setup.Setup, target: Target | None = None) -> CompiledRow:
     """`setup`'s step compiled for its `device`'s GPUs (`target`, made once and shared by
@@ -43,11 +69,4 @@ def compile_row(setup: runtime_setup.Setup, target: Target | None = None) -> Com
     target = target or compile_only(gpu, setup.run.mesh.devices)
     with kernel_checks(target):
         built = runtime_setup.build(setup, target, extra_options=DEVICELESS)
-    hlo, full, run = built.compiled.as_text(), setup.experiment, setup.run
-    mesh_shape = run.mesh.shape(len(target.devices))
-    if (full.model, full.run, full.run.mesh.shape(full.run.mesh.devices)) == (
-            setup.model, run, mesh_shape):  # this run is the full-scale one: plan it once
-        full_plan = plan.full_scale(full, setup.placement, hlo)
-        return CompiledRow(setup, gpu, built, full_plan, full_plan.tags)
-    run_tags = memory.tag_lines(TracedStep(setup.model, run, mesh_shape), setup.placement, hlo)
-    return CompiledRow(setup, gpu, built, plan.full_scale(full, setup.placement), run_tags)
+    return CompiledRow(setup, gpu, built)

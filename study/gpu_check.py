@@ -18,26 +18,20 @@
 
 import dataclasses
 import json
-import statistics
-import subprocess
-import sys
 import time
 from functools import partial
-from pathlib import Path
-
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import configs
-
-from model import common, llama, quant
+from model import llama, quant
+from runtime.setup import resolve_placement
 from study import addressing, hlo, replay
+from study.bench import in_a_fresh_process, proxy_params, timed
 from study.gpus import GPUS
-from offload import activations
-from trainer import step as trainer_step
-from trainer import target as trainer_target
+from trainer import program, step as trainer_step, target as trainer_target
 
 ROWS = configs.COMPARISONS["llama405b-compare"]
 WIDE = dataclasses.replace(configs.get("llama405b-offload").model, n_layers=3)
@@ -46,26 +40,22 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
 
 
 def value_and_grad_fn(model, tables, dtype, run):
-    """Forward + backward as a run on this machine computes it (trainer_target.forward_options:
-    cuDNN's fused attention on a GPU in bf16, the run's NVFP4 path), with the run's flags."""
+    """Forward + backward as a run on this machine computes it (the trainer's loss: cuDNN's
+    fused attention on a GPU in bf16, the run's NVFP4 path), with the run's flags; the loss
+    over whole sequences (no chunks)."""
     target = trainer_target.this_machine()
-    run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name)
-    loss = partial(trainer_step.loss_fn, model=model,
-                   policies=activations.checkpoint_policies(tables), rules=None, dtype=dtype,
-                   **trainer_target.forward_options(model, run, target))
+    run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name, loss_chunks=1)
+    loss = program.make_loss(model, run, tables, None, target)
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
                    compiler_options=trainer_target.compiler_options(run, target) or None)
 
 
 def row_tables(name: str):
-    return activations.placement(configs.get(name).run.preset, {}, llama.SCANS)
+    return resolve_placement(WIDE, configs.get(name).run)
 
 
 def random_params(model, dtype):
-    mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
-    params = common.init_params(llama.param_specs(model), common.AxisRules(mesh=mesh),
-                                jax.random.key(0))
-    return jax.tree.map(lambda p: p.astype(dtype), params)
+    return jax.tree.map(lambda p: p.astype(dtype), proxy_params(model))
 
 
 def check_gradients(smoke: bool) -> list[dict]:
@@ -110,12 +100,7 @@ def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
     started = time.perf_counter()
     compiled = fn.lower(params, batch).compile()
     compile_s = time.perf_counter() - started
-    times = []
-    for _ in range(steps + 1):
-        started = time.perf_counter()
-        jax.block_until_ready(compiled(params, batch))
-        times.append(time.perf_counter() - started)
-    step_s = statistics.median(times[1:])
+    step_s = timed(compiled, params, batch, repeats=steps)
     kind = jax.devices()[0].device_kind
     gpu = next((g for g in GPUS.values() if jax.default_backend() == "gpu" and (
         g.device_kind.startswith(kind) or kind.startswith(g.device_kind))), None)
@@ -139,7 +124,6 @@ def check_nvfp4() -> list[str]:
     quantized values, so only the GEMMs' accumulation and bf16 rounding may differ."""
     params = random_params(SMOKE, jnp.float32)
     tokens = jax.random.randint(jax.random.key(2), (2, 65), 0, SMOKE.vocab)
-    cpu = jax.devices("cpu")[0]
 
     def loss_and_grads(path, dtype, device=None):
         loss = partial(trainer_step.loss_fn, model=SMOKE, policies=None, rules=None,
@@ -147,12 +131,12 @@ def check_nvfp4() -> list[str]:
         args = jax.device_put((params, tokens), device) if device else (params, tokens)
         (value, _), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
             *args, jax.random.key(3))
-        return np.concatenate([np.ravel(np.asarray(value, np.float64))] + [
-            np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)])
+        return np.concatenate([np.asarray(x, np.float64).ravel()
+                               for x in jax.tree.leaves((value, grads))])
 
     with jax.default_matmul_precision("highest"):
         here = loss_and_grads("dequantize", jnp.float32)
-        there = loss_and_grads("dequantize", jnp.float32, cpu)
+        there = loss_and_grads("dequantize", jnp.float32, jax.devices("cpu")[0])
     # A last-bit difference upstream may round a block's code the other way: compared as a
     # whole, not element by element.
     error = np.linalg.norm(here - there) / np.linalg.norm(there)
@@ -181,13 +165,9 @@ def main(argv: list[str]) -> int:
               f"buffers: {', '.join(r['addressing']) or '-'}")
     nvfp4 = check_nvfp4()
     print("\n".join(nvfp4))
-    rows = []
-    for name in ROWS:
-        args = [sys.executable, "-m", "study", "gpu-check", "--row", name] + (
-            ["--smoke"] if smoke else [])
-        out = subprocess.run(args, capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent.parent).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+    flags = ["--smoke"] if smoke else []
+    outputs = [in_a_fresh_process("gpu-check", "--row", name, *flags) for name in ROWS]
+    rows = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     keys = ["step_ms", "replayed_ms", "replay_error", "tflops_per_device", "peak_device_gib",
             "host_temp_gib", "device_temp_gib", "compile_s"]
     print(f"{'row':<30}" + "".join(f"{k:>18}" for k in keys))

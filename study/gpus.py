@@ -38,10 +38,6 @@ class Gpu:
     kernel_launch: float = 2e-6  # the gap between two kernels on one stream (assumed)
 
     @property
-    def bf16_flops(self) -> float:
-        return self.peaks["bf16"]
-
-    @property
     def hbm(self) -> float:
         """HBM bytes/s, as XLA's spec has it."""
         return float(self._field("memory_bandwidth"))
@@ -96,8 +92,7 @@ GPUS = {gpu.name: gpu for gpu in (
         calibrated_on={"bf16": "deepseek671b-offload", "fp4": "llama405b-baseline"}),
     Gpu("b200", per_host=8, host_memory=256 * 10**9,
         peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.125e15}, nvlink=900e9,
-        nvlink_domain=8,
-        network=50e9, host_link=50e9, host_link_gpus=1),
+        nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
     Gpu("h200", per_host=8, host_memory=256 * 10**9, peaks=HOPPER, nvlink=450e9,
         nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
     Gpu("h100", per_host=8, host_memory=256 * 10**9, peaks=HOPPER, nvlink=450e9,

@@ -23,9 +23,11 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
 
 
 def _bits(dtype: str) -> int:
-    if dtype.startswith("f8"):
-        return 8
-    return _BITS.get(dtype, 0)  # token[], opaque: no bytes
+    return 8 if dtype.startswith("f8") else _BITS.get(dtype, 0)  # token[], opaque: no bytes
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.split(",") if d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +106,9 @@ def parse_shape(text: str) -> Shape:
     if match is None:
         return Shape(dtype=text)  # token[] and the like
     dtype, dims, layout = match.groups()
-    dims = tuple(int(d) for d in dims.split(",") if d)
-    minor_to_major, space = (), 0
-    if layout:
-        order, _, extras = layout.partition(":")
-        minor_to_major = tuple(int(d) for d in order.split(",") if d)
-        if found := re.search(r"S\((\d+)\)", extras):
-            space = int(found.group(1))
-    return Shape(dtype, dims, minor_to_major, space)
+    order, _, extras = (layout or "").partition(":")
+    space = re.search(r"S\((\d+)\)", extras)
+    return Shape(dtype, ints(dims), ints(order), int(space.group(1)) if space else 0)
 
 
 @dataclasses.dataclass
@@ -126,11 +123,9 @@ class Instruction:
 
     def called(self) -> list[str]:
         """Computations this instruction runs (fusions, async starts, calls, loops)."""
-        names = []
-        for key in ("calls", "to_apply", "condition", "body", "branch_computations"):
-            if key in self.attrs:
-                names += re.findall(r"%?([\w.\-]+)", self.attrs[key].strip("{}"))
-        return names
+        keys = ("calls", "to_apply", "condition", "body", "branch_computations")
+        return [name for key in keys if key in self.attrs
+                for name in re.findall(r"%?([\w.\-]+)", self.attrs[key].strip("{}"))]
 
     def backend_config(self) -> dict:
         text = self.attrs.get("backend_config", "")
@@ -159,8 +154,8 @@ class Computation:
         return {i.name: i for i in self.instructions}
 
     def parameters(self) -> list[Instruction]:
-        found = [i for i in self.instructions if i.opcode == "parameter"]
-        return sorted(found, key=lambda i: i.parameter_number)
+        return sorted((i for i in self.instructions if i.opcode == "parameter"),
+                      key=lambda i: i.parameter_number)
 
 
 @dataclasses.dataclass
@@ -191,10 +186,8 @@ def parse_instruction(line: str) -> Instruction | None:
             operands.append(arg)  # operands printed without their sigil
         else:
             literal = arg
-    attrs = {}
-    for item in _split_top(rest[args_end:].lstrip(", ")):
-        key, _, value = item.partition("=")
-        attrs[key.strip()] = value.strip()
+    attrs = {key.strip(): value.strip() for key, _, value in
+             (item.partition("=") for item in _split_top(rest[args_end:].lstrip(", ")))}
     return Instruction(name, shape, opcode, operands, attrs, literal, bool(root))
 
 
@@ -235,19 +228,17 @@ def replica_groups(instruction: Instruction, devices: int) -> list[list[int]]:
     if text in ("{}", "{{}}"):
         return [list(range(devices))]
     if text.startswith("{"):
-        return [[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", text)]
+        return [list(ints(g)) for g in re.findall(r"\{([\d,]+)\}", text)]
     if text.startswith("mesh["):
-        axes = re.findall(r"'([^']+)'=(\d+)", text[:text.index("]")])
-        chosen = re.findall(r"'([^']+)'", text[text.index("]"):])
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        order = [i for i, a in enumerate(names) if a not in chosen]
-        order += [names.index(a) for a in chosen]
-        size = math.prod(sizes[names.index(a)] for a in chosen)
-        return ids.transpose(order).reshape(-1, size).tolist()
+        mesh, _, over = text.partition("]")
+        sizes = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", mesh)}
+        chosen = re.findall(r"'([^']+)'", over)  # a group varies these axes, the rest fixed
+        order = [k for k, a in enumerate(sizes) if a not in chosen]
+        order += [list(sizes).index(a) for a in chosen]
+        ids = np.arange(math.prod(sizes.values())).reshape(list(sizes.values()))
+        return ids.transpose(order).reshape(-1, math.prod(sizes[a] for a in chosen)).tolist()
     shape, dims, perm = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text).groups()
-    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape(
-        [int(d) for d in dims.split(",")])
+    ids = np.arange(math.prod(ints(dims))).reshape(ints(dims))
     if perm:
-        ids = ids.transpose([int(p) for p in perm.split(",")])
-    return ids.reshape([int(d) for d in shape.split(",")]).tolist()
+        ids = ids.transpose(ints(perm))
+    return ids.reshape(ints(shape)).tolist()

@@ -11,26 +11,12 @@ import numpy as np
 # saved_residuals is what the public jax.ad_checkpoint.print_saved_residuals prints from.
 from jax._src import ad_checkpoint
 
-from runtime.placement import Tagged, offloaded_in, scope, sub_jaxprs, walk
+from runtime.placement import Tagged, scope, sub_jaxprs, tagged_in
 
 
 def tagged_values(fn, *args) -> dict[str, list[Tagged]]:
     """tag -> every `checkpoint_name` site with that tag, in trace order."""
-    found: dict[str, list[Tagged]] = {}
-    for eqn, count, scan, _ in walk(jax.make_jaxpr(fn)(*args).jaxpr):
-        if eqn.primitive.name == "name":
-            aval, tag = eqn.invars[0].aval, eqn.params["name"]
-            found.setdefault(tag, []).append(Tagged(tag, aval.shape, aval.dtype, count, scan))
-    return found
-
-
-def offloaded_tags(fn, *args) -> dict[str, list[Tagged]]:
-    """tag -> the values moved to host memory straight from that tag, in the traced program.
-
-    A checkpoint policy that offloads a name puts a `device_put` to host right after the
-    name's equation; differentiate `fn` (e.g. a train step) to see them.
-    """
-    return offloaded_in(jax.make_jaxpr(fn)(*args).jaxpr)
+    return tagged_in(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def moves_in(jaxpr, named: str, inside: bool = False) -> Counter:
@@ -69,8 +55,8 @@ class Residual:
 def saved_residuals(fn, *args) -> list[Residual]:
     """What grad(fn) keeps between its forward and backward pass (inside a layer scan, stacked
     over the layers), and whether it waits in host memory."""
-    return [Residual(aval.shape, aval.dtype, "host" in str(getattr(aval, "memory_space", "")
-                                                            ).lower(), source)
+    return [Residual(aval.shape, aval.dtype,
+                     "host" in str(getattr(aval, "memory_space", "")).lower(), source)
             for aval, source in ad_checkpoint.saved_residuals(fn, *args)]
 
 
@@ -97,28 +83,30 @@ def work(fn, *args, devices: int) -> Work:
     """Dot FLOPs and all-to-all bytes of `fn` (e.g. a gradient) traced on sharded abstract
     `args`, per device: a global shape's work is spread over the `devices`, a shard_map body's
     is one device's already. Autodiff names a layer scan's backward "transpose(jvp(scan))"."""
-    flops, exchanged, positions, layer_flops = {}, {}, {}, {}
+    flops, exchanged, layer_flops, positions = Counter(), Counter(), Counter(), {}
 
     def visit(jaxpr, count, scan, backward, share):
+        key = (scan, "backward" if backward else "forward")
         for eqn in jaxpr.eqns:
-            key = (scan, "backward" if backward else "forward")
-            if (done := _dot_flops(eqn)) and scan and not backward:
-                layer_flops[scan] = layer_flops.get(scan, 0.0) + done * share
-            flops[key] = flops.get(key, 0.0) + count * share * done
-            if eqn.primitive.name == "all_to_all":
+            primitive = eqn.primitive.name
+            done = _dot_flops(eqn)
+            flops[key] += count * share * done
+            if scan and not backward:
+                layer_flops[scan] += share * done
+                if primitive == "name":
+                    positions.setdefault((scan, eqn.params["name"]), layer_flops[scan])
+            if primitive == "all_to_all":
                 sent = eqn.invars[0].aval.size * eqn.invars[0].aval.dtype.itemsize
-                exchanged[key] = exchanged.get(key, 0.0) + count * share * sent
-            if eqn.primitive.name == "name" and scan and not backward:
-                positions.setdefault((scan, eqn.params["name"]), layer_flops.get(scan, 0.0))
-            inner = (count, scan, backward, 0 if eqn.primitive.name == "shard_map" else share)
-            if eqn.primitive.name == "scan":
+                exchanged[key] += count * share * sent
+            inner = (count, scan, backward, 1.0 if primitive == "shard_map" else share)
+            if primitive == "scan":
                 stack = str(eqn.source_info.name_stack).split("/")[-1]
                 inner = (count * eqn.params["length"], scope(stack) or scan,
                          backward or stack.startswith("transpose("), share)
             for sub in sub_jaxprs(eqn):
-                visit(sub, *inner[:3], inner[3] or 1.0)
+                visit(sub, *inner)
 
     visit(jax.make_jaxpr(fn)(*args).jaxpr, 1, "", False, 1.0 / devices)
-    positions = {k: v / layer_flops[k[0]] if layer_flops.get(k[0]) else 0.0
-                 for k, v in positions.items()}
-    return Work(flops, exchanged, positions)
+    return Work(dict(flops), dict(exchanged),
+                {k: v / layer_flops[k[0]] if layer_flops[k[0]] else 0.0
+                 for k, v in positions.items()})

@@ -8,7 +8,6 @@ temporaries and fragmentation, which only a real run shows.
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from study import placement
@@ -16,7 +15,6 @@ from study.addressing import Proof
 from study.jaxpr import Residual, Tagged
 from study.traced_step import TracedStep
 from configs import PIPELINED
-from model.common import ParamSpec
 from offload.optimizer_state import per_device_bytes
 
 
@@ -62,10 +60,7 @@ class MemoryPlan:
         layer's gathered weights and any expert exchange blocks; for the widest layer of
         each count. (The compiled backward loop gathers no next layer ahead and frees each
         gathered matrix for its gradient: tests/test_plan_terms.py.)"""
-        by_scan: dict[str, int] = {}
-        for t in self.tags:
-            by_scan[t.value.scan] = by_scan.get(t.value.scan, 0) + t.value.nbytes
-        return max(by_scan.values(), default=0) + self.layer_weights + self.exchange
+        return _widest_layer([t.value for t in self.tags]) + self.layer_weights + self.exchange
 
     @property
     def device_optimizer(self) -> int:
@@ -94,14 +89,9 @@ def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
                          shards: int) -> list[Residual]:
     """Residuals of a per-device trace (batch already per device): the parameters themselves
     are dropped (counted as state), and casts of whole parameters are FSDP-sharded."""
-    kept = []
-    for r in residuals:
-        if r.is_argument:
-            continue
-        if r.shape in param_shapes and r.shape[0] % shards == 0:
-            r = dataclasses.replace(r, shape=(r.shape[0] // shards, *r.shape[1:]))
-        kept.append(r)
-    return kept
+    return [dataclasses.replace(r, shape=(r.shape[0] // shards, *r.shape[1:]))
+            if r.shape in param_shapes and r.shape[0] % shards == 0 else r
+            for r in residuals if not r.is_argument]
 
 
 def host_state_buffers(step: TracedStep) -> set[tuple]:
@@ -115,10 +105,8 @@ def host_state_buffers(step: TracedStep) -> set[tuple]:
 
 def tag_lines(step: TracedStep, tables: dict | None,
               compiled_hlo: str | None = None) -> list[TagLine]:
-    """Every tag of every layer scan: per-device per-layer value, placement asked, whether
-    the backward pass needs it, whether the exported GPU program offloads it and, given a
-    compiled GPU program's optimized HLO, whether XLA keeps its stacked buffer in host memory
-    (and reads it back from where it wrote it)."""
+    """Every tag of every layer scan, as the exported GPU program places it and, given a
+    compiled GPU program's optimized HLO, as XLA does."""
     exported = step.exported(tables)
     in_host = None  # (scan, tag) -> the addressing proof of its host buffer
     if compiled_hlo is not None:
@@ -137,18 +125,17 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
     """The static memory plan of `step` under `tables`, per device: state, gradients, what
     autodiff keeps (on device and on host), one layer's backward."""
     # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
-    shapes = {spec.shape for spec in jax.tree.leaves(step.specs, is_leaf=_is_spec)
-              if not step.split_by_expert(spec)}
-    # The layer casts its weights to the compute dtype, so their gradients arrive (and are
-    # reduce-scattered) in it; only a device's shard becomes param_dtype.
-    layer_bytes = step.widest_layer_weights() * jnp.dtype(step.run.compute_dtype).itemsize
+    shapes = {spec.shape for spec in jax.tree.leaves(step.specs) if not step.split_by_expert(spec)}
     return MemoryPlan(
         params=per_device_bytes(step.state["params"]),
         grads=per_device_bytes(step.state["params"]),
         optimizer=per_device_bytes(step.state["opt_state"]),
         tags=tags,
         residuals=per_device_residuals(step.residuals(tables), shapes, step.shards),
-        layers=tuple(step.layers.values()), layer_weights=layer_bytes,
+        layers=tuple(step.layers.values()),
+        # The layer casts its weights to the compute dtype, so their gradients arrive (and are
+        # reduce-scattered) in it; only a device's shard becomes param_dtype.
+        layer_weights=step.widest_layer_weights() * step.compute_bytes,
         exchange=step.exchange_buffers(), capacity=capacity, host_capacity=host_capacity,
         matrices=step.quantizable_matrices() if step.run.quant != "none" else None,
         optimizer_on_host=step.run.optimizer_state == "host",
@@ -161,11 +148,7 @@ def pipelined(step: TracedStep, tags: list[TagLine]) -> int:
     estimate: what the flag adds to a compiled program is measured in docs/placement.md."""
     if step.run.xla_flags.get(PIPELINED, "false") != "true":
         return 0
-    per_layer: dict[str, int] = {}
-    for line in tags:
-        if line.offloaded:
-            per_layer[line.value.scan] = per_layer.get(line.value.scan, 0) + line.value.nbytes
-    return max(per_layer.values(), default=0)
+    return _widest_layer([line.value for line in tags if line.offloaded])
 
 
 def transposed_weights(step: TracedStep) -> int:
@@ -182,12 +165,13 @@ def transposed_weights(step: TracedStep) -> int:
     copied = []
     for scan in step.scans:
         for leaf in step.state["params"][scan].values():
-            spec = tuple(leaf.sharding.spec) + (None,) * leaf.ndim
-            sharded = [i for i in range(1, leaf.ndim) if spec[i] is not None]
+            sharded = [i for i, axis in enumerate(leaf.sharding.spec) if i and axis is not None]
             if sharded and np.prod(leaf.shape[1:sharded[0]]) > 1:
                 copied.append(leaf)
     return per_device_bytes(copied)
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, ParamSpec)
+def _widest_layer(values: list[Tagged]) -> int:
+    """The bytes of `values` in one layer of the scan that has most."""
+    scans = {v.scan for v in values}
+    return max((sum(v.nbytes for v in values if v.scan == s) for s in scans), default=0)

@@ -16,18 +16,16 @@ compiled program shows it (study/addressing.py proves its addressing).
 """
 
 import re
-from collections import Counter
-
+from collections import Counter, defaultdict
 
 from study import addressing
 from study.addressing import Proof
-from study.jaxpr import Tagged, moves_in, offloaded_in
+from study.jaxpr import Tagged, moves_in
 from offload import optimizer_state
+from runtime.placement import DTYPE_NAMES, tagged_in
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
-_MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
-                "i32": "int32"}
 
 
 class PlacementError(AssertionError):
@@ -37,10 +35,10 @@ class PlacementError(AssertionError):
 def annotations(module: str) -> dict[str, Counter]:
     """placement ("pinned_host" or "device") -> Counter of (shape, dtype) annotated so, in a
     StableHLO module lowered for a GPU."""
-    found: dict[str, Counter] = {}
+    found = defaultdict(Counter)
     for placement, dims, dtype in _ANNOTATION.findall(module):
         shape = tuple(int(d) for d in dims.split("x") if d)
-        found.setdefault(placement, Counter())[shape, _MLIR_DTYPES.get(dtype, dtype)] += 1
+        found[placement][shape, DTYPE_NAMES.get(dtype, dtype)] += 1
     return found
 
 
@@ -53,17 +51,17 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
     state's (optimizer_state=host), no more, no fewer. One trace serves both.
     """
     program = fn.trace(*args)
-    traced = offloaded_in(program.jaxpr.jaxpr)
+    traced = tagged_in(program.jaxpr.jaxpr, offloaded=True)
     tags = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
     state = moves_in(program.jaxpr.jaxpr, optimizer_state.SCOPE)
     exported = annotations(program.lower(lowering_platforms=("cuda",)).as_text())
     for placement in ("pinned_host", "device"):
         expected = tags + Counter({(shape, dtype): n for (kind, shape, dtype), n
                                    in state.items() if kind == placement})
-        if exported.get(placement, Counter()) != expected:
-            raise PlacementError(
-                f"exported program has {placement} annotations {dict(exported.get(placement, {}))}"
-                f" but the traced program moves {dict(expected)}")
+        if exported[placement] != expected:
+            raise PlacementError(f"exported program has {placement} annotations "
+                                 f"{dict(exported[placement])} but the traced program moves "
+                                 f"{dict(expected)}")
     return {(t.scan, t.tag) for sites in traced.values() for t in sites}
 
 
@@ -80,15 +78,18 @@ def compiled_host_buffers(hlo: str, offloaded: list[Tagged],
     found = {}
     for value in offloaded:
         stacked = ((value.count, *value.shape), str(value.dtype))
-        match = next((p for p in left if (p.buffer.shape.dims, _MLIR_DTYPES.get(
-            p.buffer.shape.dtype, p.buffer.shape.dtype)) == stacked), None)
+        match = next((p for p in left if _stacked(p) == stacked), None)
         if match is not None:
             left.remove(match)
             found[value.scan, value.tag] = match
-    left = [p for p in left if (p.buffer.shape.dims, _MLIR_DTYPES.get(
-        p.buffer.shape.dtype, p.buffer.shape.dtype)) not in state]
-    if left:
-        shapes = Counter((p.buffer.shape.dims, p.buffer.shape.dtype) for p in left)
+    if stray := [p for p in left if _stacked(p) not in state]:
+        shapes = Counter((p.buffer.shape.dims, p.buffer.shape.dtype) for p in stray)
         raise PlacementError(f"the compiled program keeps buffers in host memory that no "
                              f"offloaded tag accounts for: {dict(shapes)}")
     return found
+
+
+def _stacked(proof: Proof) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) of a proof's host buffer, the dtype named as numpy names it."""
+    shape = proof.buffer.shape
+    return shape.dims, DTYPE_NAMES.get(shape.dtype, shape.dtype)

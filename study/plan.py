@@ -23,35 +23,28 @@ from study.gpus import GPUS, Gpu
 from offload import activations
 from runtime import backend
 from trainer import target
-from runtime.placement import CompiledMemory
+from runtime.placement import GiB, CompiledMemory, size_words as _size
 from study.compile_only import pool_bytes
 
-GiB, MiB = 2**30, 2**20
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 HOST_POOL_DEFAULT_GIB = 64  # XLA's pinned-host allocator on GPU, unless the variable says more
 
 
-def _size(n: int) -> str:
-    if n >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
-
-
-def full_scale(experiment: Experiment, tables: dict | None, compiled_hlo: str | None = None,
-               step: TracedStep | None = None) -> memory.MemoryPlan:
+def full_scale(experiment: Experiment, tables: dict | None,
+               compiled_hlo: str | None = None) -> memory.MemoryPlan:
     """The experiment's full-scale memory plan and placement list under these tables, against
     the memory JAX takes of its GPU (and, given one, the compiled program's host buffers)."""
-    run = experiment.run
-    step = step or TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
-    gpu = GPUS[run.device]
+    run, gpu = experiment.run, GPUS[experiment.run.device]
+    step = TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
     return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
                        pool_bytes(gpu), gpu.host_memory)
 
 
-def memory_source(gpu: Gpu) -> str:
+def _of_pool(n: int, plan: memory.MemoryPlan, gpu: Gpu) -> str:
+    """`n` bytes against the device memory JAX takes of `gpu`."""
     fraction, variable = backend.memory_fraction()
-    return (f"JAX's pool on the {gpu.name}: {variable}={fraction:g} x {_size(gpu.memory)} "
-            f"= {_size(pool_bytes(gpu))}")
+    return (f"of {_size(plan.capacity)} ({n / plan.capacity:.0%}; JAX's pool on the {gpu.name}: "
+            f"{variable}={fraction:g} x {_size(gpu.memory)} = {_size(pool_bytes(gpu))})")
 
 
 def placement_lines(lines: list[memory.TagLine]) -> list[str]:
@@ -102,22 +95,19 @@ def _verdict(line: memory.TagLine) -> str:
 
 def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
     """The whole plan: a title, the placement list, the memory lines."""
-    devices = run.mesh.devices
-    pool = float(os.environ.get(HOST_POOL_VARIABLE, HOST_POOL_DEFAULT_GIB))
     mesh = run.mesh
     title = (f"memory plan: {name} at full scale, per device of the mesh data={mesh.data} x "
-             f"fsdp={mesh.fsdp} x expert={mesh.expert} ({run.device}); {run.batch(devices)} "
-             f"sequences x {run.seq} tokens; preset {run.preset}")
-    return [title, *placement_lines(plan.tags),
-            *memory_lines(plan, GPUS[run.device], pool, run)]
+             f"fsdp={mesh.fsdp} x expert={mesh.expert} ({run.device}); "
+             f"{run.batch(mesh.devices)} sequences x {run.seq} tokens; preset {run.preset}")
+    return [title, *placement_lines(plan.tags), *memory_lines(plan, GPUS[run.device], run)]
 
 
 def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryPlan,
              gpu: Gpu) -> str:
     """The verdict, in the same words for the static plan and the compiled program."""
-    return (f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(device)} {what} of "
-            f"{_size(plan.capacity)} ({device / plan.capacity:.0%}; {memory_source(gpu)}); "
-            f"host {_size(host)} of {_size(plan.host_capacity)} per GPU")
+    return (f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(device)} {what} "
+            f"{_of_pool(device, plan, gpu)}; host {_size(host)} of {_size(plan.host_capacity)} "
+            "per GPU")
 
 
 def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
@@ -131,10 +121,20 @@ def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
     return f"{words} (the {gpu.name} (compute capability {major}.{minor}) has no FP4 tensor cores)"
 
 
-def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
-                 run: RunConfig) -> list[str]:
-    device = [r for r in plan.residuals if not r.on_host]
-    stacked = sum(r.nbytes for r in device if r.shape[:1] and r.shape[0] in plan.layers)
+def host_pool_warning(host: float) -> list[str]:
+    """A warning when `host` bytes per GPU exceed XLA's pinned-host pool, with the setting
+    that makes room (the static plan's and the search's)."""
+    pool_gib = float(os.environ.get(HOST_POOL_VARIABLE, HOST_POOL_DEFAULT_GIB))
+    if host <= pool_gib * GiB:
+        return []
+    return [f"WARNING: {_size(host)} of host memory per GPU exceed XLA's pinned-host pool "
+            f"({pool_gib:g} GiB a process): set {HOST_POOL_VARIABLE}="
+            f"{math.ceil(host / GiB * 1.1)} x the process's GPUs, or offload less"]
+
+
+def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]:
+    stacked = sum(r.nbytes for r in plan.residuals
+                  if not r.on_host and r.shape[:1] and r.shape[0] in plan.layers)
     rows = [
         ("parameters", plan.params, "master weights, FSDP shard"),
         ("gradients", plan.grads, "same sharding as the parameters"),
@@ -157,10 +157,9 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
     ]
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows
            if n or name != "pipelined transfers"]
-    out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  of "
-               f"{_size(plan.capacity)} ({plan.peak_estimate / plan.capacity:.0%}; "
-               f"{memory_source(gpu)}); an estimate: NCCL scratch, cuDNN workspaces and XLA "
-               "temporaries are not in a static plan")
+    out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  "
+               f"{_of_pool(plan.peak_estimate, plan, gpu)}; an estimate: NCCL scratch, cuDNN "
+               "workspaces and XLA temporaries are not in a static plan")
     state = (f"; with the optimizer state ({_size(plan.optimizer)}) and its new copy, "
              "written after the backward pass has freed the activations"
              if plan.optimizer_on_host else "")
@@ -174,11 +173,7 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, host_pool_gib: float,
                    f"{nvfp4_words(gpu, run)}; {stored / plain:.0%} of their "
                    f"{_size(plain)} in the compute dtype, not in the peak: masters stay FP32, "
                    "each layer is quantized as it runs")
-    if plan.host_peak > host_pool_gib * GiB:
-        need = math.ceil(plan.host_peak / GiB * 1.1)
-        out.append(f"WARNING: {_size(plan.host_peak)} of host memory per GPU exceed "
-                   f"XLA's pinned-host pool ({host_pool_gib:g} GiB a process): set "
-                   f"{HOST_POOL_VARIABLE}={need} x the process's GPUs, or offload less")
+    out += host_pool_warning(plan.host_peak)
     out.append(fit_line(plan.fits, plan.peak_estimate, "planned (estimate)", plan.host_peak,
                         plan, gpu))
     return out
@@ -211,7 +206,6 @@ def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan,
                    f"memory kinds (jax {jax.__version__}), so XLA compiled them as device "
                    "arguments moved to host first; on a GPU they arrive in host memory: not in "
                    "the device figures above; the compiled host figure holds that first copy")
-    fits = compiled.device <= plan.capacity
     proofs = [t.addressing for t in plan.tags if t.addressing is not None]
     if wrong := [p for p in proofs if p.verdict == addressing.WRONG]:
         out.append(f"DOES NOT WORK: {len(wrong)} of {len(proofs)} host buffers are read back "
@@ -220,7 +214,8 @@ def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan,
         out.append(f"UNPROVEN: the addressing of {len(unproven)} of {len(proofs)} host buffers "
                    "cannot be verified (above); check the gradients on a GPU: "
                    "study/gpu_check.py")
-    out.append(fit_line(fits, compiled.device, "compiled", compiled.host, plan, gpu))
+    out.append(fit_line(compiled.device <= plan.capacity, compiled.device, "compiled",
+                        compiled.host, plan, gpu))
     out.append("not in the compiled figures: GEMM autotuning (none without a GPU: default "
                "tiles), cuDNN workspaces (0 without a GPU), NCCL buffers (outside XLA's pool)")
     return out

@@ -5,6 +5,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import configs
+from model import families
 from study import hlo, memory, replay
 from study.gpus import Gpu
 from runtime.placement import CompiledMemory
@@ -34,6 +36,16 @@ def predict(compiled_hlo: str, gpu: Gpu, devices: int, model_flops: float,
     exchanges = None if device_ids is None else exchange_groups(module, gpu, device_ids)
     return StepPrediction(result, model_flops, study_tflops, gpu,
                           replay.overlap(module, gpu, devices), exchanges)
+
+
+def of_experiment(experiment, compiled_hlo: str, gpu: Gpu, devices: int,
+                  **options) -> StepPrediction:
+    """`predict` for an experiment (its model and run): MaxText's FLOPs of its step, and the
+    study's figure where it has one."""
+    model, run = experiment.model, experiment.run
+    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
+    return predict(compiled_hlo, gpu, devices, flops,
+                   configs.STUDY_TFLOPS.get(experiment.name), **options)
 
 
 def efficiency_words(p: StepPrediction) -> str:
@@ -121,10 +133,12 @@ def lines(p: StepPrediction) -> list[str]:
     ]
 
 
-def record(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan) -> dict:
-    """compiled.json: the compiled memory beside the plan, and the predicted step."""
+def write(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan,
+          folder: Path, title: str) -> None:
+    """The run folder's compiled.json (the compiled memory beside the plan, and the predicted
+    step) and timeline.json (the replayed step)."""
     r = p.result
-    return {
+    record = {
         "predicted_step_s": r.step_s,
         "predicted_tflops_per_device": p.tflops,
         "study_tflops_per_device": p.study_tflops,
@@ -140,9 +154,5 @@ def record(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan)
                          "static_plan_peak": plan.peak_estimate,
                          "static_plan_host": plan.host_activations},
     }
-
-
-def write(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan,
-          folder: Path, title: str) -> None:
-    (folder / "compiled.json").write_text(json.dumps(record(p, compiled, plan), indent=2))
+    (folder / "compiled.json").write_text(json.dumps(record, indent=2))
     replay.write_timeline(p.result, title, folder / "timeline.json")

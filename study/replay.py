@@ -1,21 +1,13 @@
 """Step time from the compiled, scheduled GPU program: XLA's schedule replayed on one GPU's
-figures (study/gpus.py, sources in docs/hardware.md).
+figures (study/gpus.py, sources in docs/hardware.md; the model in full: docs/replay.md).
 
-The optimized HLO of a GPU compile is scheduled (`is_scheduled=true`): each computation's
-instruction order is the order its work is issued on the GPU. The replay walks the entry
-computation in that order, while loops by their known trip counts, and costs each instruction
-from its own shapes:
-  GEMMs (dots in fusions, cuDNN block-scaled dots, cuDNN attention): FLOPs at the peak of
-      their inputs' precision times that class's calibrated efficiency, or their bytes at HBM
-      rate where that is longer;
-  every other kernel: bytes read and written at HBM rate;
-  collectives: bytes over NVLink inside an NVLink domain and over the NICs between domains
-      (hierarchically: across domains first, then inside), plus NCCL's latency;
-  host transfers: bytes over the host link, per direction, shared by the GPUs on one link.
-Streams as on the GPU: an async start queues its work on its stream (collectives, to host,
-from host, async compute); the compute stream waits at a done whose work has not finished and
-that wait is the stream's exposed time. Synchronous collectives and host copies block the
-compute stream: all exposed.
+The entry computation is walked in schedule order (`is_scheduled=true`: the order its work is
+issued on the GPU), while loops by their known trip counts, each instruction costed from its own
+shapes: a GEMM by its FLOPs at the calibrated rate of its inputs' precision (or by its bytes,
+where that is longer), any other kernel by its bytes at HBM rate, a collective over NVLink and
+the NICs plus NCCL's latency, a host transfer over the host link. An async start queues its
+work on its stream; the compute stream waits at a done whose work has not finished, and that
+wait is the stream's exposed time. Synchronous collectives and host copies are all exposed.
 
 What a replay cannot know: the kernels XLA's autotuner picks on a real GPU (compile-only
 devices skip autotuning), contention between streams for SMs and HBM, clocks and power, and
@@ -39,6 +31,7 @@ COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 SLICING = {"dynamic-slice", "slice", "gather"}  # a fusion reads only what these take
 ATTENTION = {"__cudnn$fmhaSoftmax": 2, "__cudnn$fmhaSoftmaxBackward": 5}  # GEMMs per call
 _PRECISION = {"f4e2m1fn": "fp4", "bf16": "bf16", "f16": "bf16", "f32": "tf32", "f64": "tf32"}
+_BITS = {"fp4": 4, "fp8": 8, "bf16": 16, "tf32": 32}  # of each precision class
 
 
 def precision(dtype: str) -> str:
@@ -52,8 +45,7 @@ class Work:
     seconds: float
     stream: str
     flops: tuple[tuple[str, float], ...] = ()
-    nbytes: float = 0.0
-    bound: str = "memory"  # what limits a kernel: "gemm" or "memory" (or the link it uses)
+    gemm_bound: bool = False  # a kernel whose GEMMs take longer than its HBM traffic
 
 
 @dataclasses.dataclass
@@ -91,31 +83,33 @@ class Costs:
 
     def of(self, computation: hlo.Computation, instruction: hlo.Instruction,
            done: hlo.Instruction | None = None) -> Work:
-        key = id(instruction)
-        if key not in self._cache:
-            self._cache[key] = self._work(computation, instruction, done)
-        return self._cache[key]
+        if id(instruction) not in self._cache:
+            self._cache[id(instruction)] = self._work(computation, instruction, done)
+        return self._cache[id(instruction)]
 
     def _work(self, comp, ins, done) -> Work:
         kind = hlo.kind(self.module, ins)
         output = (done or ins).shape
-        if kind in COLLECTIVES:
-            return self._collective(comp, ins, kind, output)
         inputs = [comp.by_name[o].shape for o in ins.operands if o in comp.by_name]
+        if kind in COLLECTIVES:
+            return self._collective(ins, kind, max(sum(s.nbytes for s in inputs), output.nbytes))
         if output.on_host or any(s.on_host for s in inputs):
             return self._host(inputs, output)
         stream = "async compute" if ins.opcode.endswith("-start") else "compute"
-        if ins.opcode == "copy" or ins.opcode == "copy-start":
-            return self._kernel(stream, 2 * output.nbytes, ())
-        if ins.opcode in ("fusion", "fusion-start", "custom-call"):
-            return self._kernel(stream, self._bytes(comp, ins, output), self._gemms(comp, ins))
-        return self._kernel(stream, sum(s.nbytes for s in inputs) + output.nbytes, ())
+        if ins.opcode in ("copy", "copy-start"):
+            return self._kernel(stream, 2 * output.nbytes)
+        if ins.opcode in ("fusion", "fusion-start"):
+            body = self.module.computations[ins.called()[0]]
+            return self._kernel(stream, self._fusion_bytes(comp, ins, body),
+                                self._computation_gemms(body.name))
+        gemms = self._custom_gemms(comp, ins) if ins.opcode == "custom-call" else ()
+        return self._kernel(stream, sum(s.nbytes for s in inputs) + output.nbytes, gemms)
 
-    def _kernel(self, stream, nbytes, gemms) -> Work:
+    def _kernel(self, stream, nbytes, gemms=()) -> Work:
         memory = nbytes / self.gpu.hbm
         compute = sum(flops / self.rate(p) for p, flops in gemms)
-        return Work(self.gpu.kernel_launch + max(memory, compute), stream, tuple(gemms), nbytes,
-                    "gemm" if compute > memory else "memory")
+        return Work(self.gpu.kernel_launch + max(memory, compute), stream, tuple(gemms),
+                    compute > memory)
 
     def _host(self, inputs, output) -> Work:
         """A transfer between HBM and pinned host memory: to host when it writes host memory
@@ -125,19 +119,17 @@ class Costs:
         else:
             stream, nbytes = "from host", output.nbytes
         rate = self.gpu.host_link / self.gpu.host_link_gpus  # every GPU moves the same bytes
-        return Work(nbytes / rate, stream, (), nbytes, "host link")
+        return Work(nbytes / rate, stream)
 
-    def _collective(self, comp, ins, kind, output) -> Work:
+    def _collective(self, ins, kind, size) -> Work:
         """Ring bytes per GPU: an all-gather's output (a reduce-scatter's input) S over n GPUs
         in d NVLink domains of m: (d-1)/d * S/m over the NICs, then (m-1)/m * S over NVLink;
         an all-reduce is both; an all-to-all sends (m-1)/n of S over NVLink and (n-m)/n over
         the NICs at once."""
         group = hlo.replica_groups(hlo.wrapped(self.module, ins), self.devices)[0]
         n = len(group)
-        inputs = sum(comp.by_name[o].shape.nbytes for o in ins.operands if o in comp.by_name)
-        size = max(inputs, output.nbytes)
         if n <= 1:
-            return Work(0.0, "collectives", (), 0.0, "NVLink")
+            return Work(0.0, "collectives")
         d = len({device // self.domain for device in group})
         m = n // d
         nvlink, network = self.gpu.nvlink, self.gpu.network
@@ -150,40 +142,26 @@ class Costs:
             seconds = size / (network if d > 1 else nvlink)
         else:
             seconds = ring
-        return Work(self.gpu.collective_latency + seconds, "collectives", (), size,
-                    "NVLink" if d == 1 else "NVLink + network")
+        return Work(self.gpu.collective_latency + seconds, "collectives")
 
-    def _bytes(self, comp, ins, output) -> float:
-        """HBM bytes of one kernel: operands as the kernel reads them (a slice of a stacked
-        buffer, not the buffer; nothing of a buffer it updates in place) and what it writes
-        (an in-place update writes the update)."""
-        if ins.opcode == "custom-call":
-            return sum(comp.by_name[o].shape.nbytes for o in ins.operands) + output.nbytes
-        body = self.module.computations[ins.called()[0]]
-        params = body.parameters()
+    def _fusion_bytes(self, comp, ins, body: hlo.Computation) -> float:
+        """HBM bytes of a fusion: operands as it reads them (a slice of a stacked buffer, not
+        the buffer; nothing of a buffer it updates in place) and what it writes (an in-place
+        update writes the update)."""
         total = 0.0
-        for k, name in enumerate(ins.operands):
-            users = [u for u in body.instructions if params[k].name in u.operands]
-            if users and all(u.opcode in SLICING and u.operands[0] == params[k].name
-                             for u in users):
+        for param, operand in zip(body.parameters(), ins.operands):
+            users = [u for u in body.instructions if param.name in u.operands]
+            # what each user does to the buffer it takes first ("": takes it as another operand)
+            uses = {u.opcode if u.operands[0] == param.name else "" for u in users}
+            if uses and uses <= SLICING:
                 total += sum(u.shape.nbytes for u in users)
-            elif not (users and all(u.opcode == "dynamic-update-slice"
-                                    and u.operands[0] == params[k].name for u in users)):
-                total += comp.by_name[name].shape.nbytes
+            elif uses != {"dynamic-update-slice"}:
+                total += comp.by_name[operand].shape.nbytes
         root = body.root
         outputs = [body.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
-        for out in outputs:
-            if out.opcode == "dynamic-update-slice":
-                total += body.by_name[out.operands[1]].shape.nbytes
-            else:
-                total += out.shape.nbytes
-        return total
-
-    def _gemms(self, comp, ins) -> list[tuple[str, float]]:
-        """(precision class, FLOPs) of the GEMMs one kernel runs."""
-        if ins.opcode == "custom-call":
-            return self._custom_gemm(comp, ins)
-        return self._computation_gemms(ins.called()[0])
+        written = [body.by_name[o.operands[1]] if o.opcode == "dynamic-update-slice" else o
+                   for o in outputs]
+        return total + sum(o.shape.nbytes for o in written)
 
     def _computation_gemms(self, name: str) -> list[tuple[str, float]]:
         if name in self._cache:
@@ -194,16 +172,16 @@ class Costs:
                 lhs, rhs = (comp.by_name[o].shape for o in ins.operands[:2])
                 dims = re.findall(r"\d+", ins.attrs.get("lhs_contracting_dims", ""))
                 contracted = math.prod(lhs.dims[int(d)] for d in dims)
-                slower = max(precision(lhs.dtype), precision(rhs.dtype), key=_bits_of_class)
+                slower = max(precision(lhs.dtype), precision(rhs.dtype), key=_BITS.get)
                 found.append((slower, 2.0 * ins.shape.size * contracted))
             elif ins.opcode == "fusion":
                 found += self._computation_gemms(ins.called()[0])
             elif ins.opcode == "custom-call":
-                found += self._custom_gemm(comp, ins)
+                found += self._custom_gemms(comp, ins)
         self._cache[name] = found
         return found
 
-    def _custom_gemm(self, comp, ins) -> list[tuple[str, float]]:
+    def _custom_gemms(self, comp, ins) -> list[tuple[str, float]]:
         target = ins.attrs.get("custom_call_target", "").strip('"')
         operands = [comp.by_name[o].shape for o in ins.operands]
         out = ins.shape.elements[0] if ins.shape.is_tuple else ins.shape
@@ -219,10 +197,6 @@ class Costs:
         return []
 
 
-def _bits_of_class(precision_class: str) -> int:
-    return {"fp4": 4, "fp8": 8, "bf16": 16, "tf32": 32}[precision_class]
-
-
 class _Streams:
     """The replay's clock: the compute stream's time, when each other stream is next free,
     what each started async op finishes at."""
@@ -233,19 +207,19 @@ class _Streams:
         self.flops, self.gemm_s, self.pending = {}, 0.0, {}
         self.slices = [] if keep_slices else None
 
-    def record(self, stream, ins, start, work, loops):
-        self.busy[stream] += work.seconds
+    def record(self, ins, start, work, loops):
+        self.busy[work.stream] += work.seconds
         for p, f in work.flops:
             self.flops[p] = self.flops.get(p, 0.0) + f
         if self.slices is not None:
-            self.slices.append((stream, ins.name, _op_name(ins), start, work.seconds, loops))
+            self.slices.append((work.stream, ins.name, _op_name(ins), start, work.seconds, loops))
 
     def run(self, ins, work, loops):
         """A synchronous instruction: the compute stream does it (or waits for it)."""
-        self.record(work.stream, ins, self.now, work, loops)
+        self.record(ins, self.now, work, loops)
         if work.stream != "compute":
             self.exposed[work.stream] += work.seconds
-        elif work.bound == "gemm":
+        elif work.gemm_bound:
             self.gemm_s += work.seconds
         self.now += work.seconds
 
@@ -253,7 +227,7 @@ class _Streams:
         begin = max(self.now, self.free[work.stream])
         self.free[work.stream] = begin + work.seconds
         self.pending[ins.name] = (work.stream, begin + work.seconds)
-        self.record(work.stream, ins, begin, work, loops)
+        self.record(ins, begin, work, loops)
 
     def done(self, start_name):
         stream, finish = self.pending.pop(start_name)
@@ -338,19 +312,15 @@ def overlap(module: hlo.Module, gpu: Gpu, devices: int) -> Overlap:
     return Overlap(synchronous, tuple(between))
 
 
-def timeline(result: Replay, title: str) -> dict:
+def write_timeline(result: Replay, title: str, path) -> None:
     """The replayed step as a Chrome/Perfetto trace: one track per stream, each slice named
     by its HLO instruction, with the JAX op_name and loop iterations (layer) as arguments."""
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": title}}]
     events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": s}}
                for k, s in enumerate(STREAMS)]
-    for stream, name, op_name, start, seconds, loops in result.slices:
-        events.append({"ph": "X", "pid": 0, "tid": STREAMS.index(stream), "name": name,
-                       "ts": start * 1e6, "dur": seconds * 1e6,
-                       "args": {"op_name": op_name, "iterations": list(loops)}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_timeline(result: Replay, title: str, path) -> None:
+    events += [{"ph": "X", "pid": 0, "tid": STREAMS.index(stream), "name": name,
+                "ts": start * 1e6, "dur": seconds * 1e6,
+                "args": {"op_name": op_name, "iterations": list(loops)}}
+               for stream, name, op_name, start, seconds, loops in result.slices]
     with open(path, "w") as f:
-        json.dump(timeline(result, title), f, separators=(",", ":"))
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f, separators=(",", ":"))

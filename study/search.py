@@ -1,34 +1,26 @@
 """Placement search: each candidate's device memory and step time, predicted without a GPU.
 
-A candidate is a micro batch (per-device batch), for MoE models a mesh (how many devices of
-the expert axis split the routed experts; the fsdp axis takes the rest), one placement table
-per layer scan, an XLA schedule (latency hiding scheduler on or off, pipelined host offloading
-on or off) and where the optimizer state lives (device, or host: its moments cross the host
-link each way per step, after the backward pass, exposed). Its inputs
-come from the traced program (per-tag bytes, dot FLOPs, all-to-all bytes; see `jaxpr.work`)
-and from the hardware figures; nothing here traces or reads configs.
+A candidate is a micro batch, for MoE models a mesh (the expert axis's degree; fsdp takes the
+rest), one placement table per layer scan, an XLA schedule (latency hiding scheduler, pipelined
+host offloading) and where the optimizer state lives. Its inputs come from the traced program
+(per-tag bytes, dot FLOPs, all-to-all bytes; `jaxpr.work`) and the hardware figures; nothing
+here traces or reads an experiment (configs gives only the XLA flags' names).
 
-A fast time model, for ranking many candidates (the replay of a compiled program,
-study/replay.py, judges the few that are compiled), per layer scan and per layer (`predict`):
-  compute    executed dot FLOPs (no checkpointing, plus what this table recomputes) at one
-             rate (the GPU's bf16 rate, study/gpus.py);
-  host link  each offloaded tag's bytes, once to host in the forward pass and once back;
-  NVLink     FSDP: the layer's weights all-gathered in each pass, its gradients
-             reduce-scattered; expert all-to-alls (and the ones the recompute repeats), over
-             NVLink inside an NVLink domain, over the NICs for the part that leaves it.
-Overlap: without the latency hiding scheduler every transfer and collective is exposed. With
-it, FSDP collectives hide behind the layer's compute; a host copy hides behind the compute
-between its tag and the end of the layer (forward) or between the start of the layer's
-backward and the tag's use (backward), one copy at a time on the link; with pipelined host
-offloading a copy has the whole neighbouring layer, and one layer's offloaded tags more sit on
-the device (the static plan's `pipelined` term). Expert all-to-alls feed the GEMMs after them:
-always exposed.
+The fast time model (`predict`; docs/search.md) ranks many candidates; the replay of compiled
+programs (study/replay.py) judges the few compiled. Per layer: dot FLOPs (plus the table's
+recompute) at the GPU's bf16 rate; offloaded bytes to host and back; FSDP collectives and
+expert all-to-alls over NVLink (the NICs for what leaves an NVLink domain). Without the latency
+hiding scheduler all of it is exposed; with it, FSDP collectives hide behind the layer's
+compute and host copies behind the compute around their tags (`_host_stall`). Expert
+all-to-alls feed the GEMMs after them: always exposed.
 """
 
 import dataclasses
 import itertools
 
 import numpy as np
+
+from configs import ASYNC_LIMIT, LHS, PIPELINED
 
 PLACES = ("device", "offload", "remat")
 STATES = ("device", "host")  # where the optimizer state lives between steps
@@ -84,9 +76,8 @@ class Hardware:
     domain: int = 0  # GPUs per NVLink domain (study/gpus.py: Gpu.domain_size); 0: all
 
     def all_to_all_s(self, group: int) -> float:
-        """Seconds per byte of an all-to-all over `group` consecutive devices: the part for
-        the group's devices in one NVLink domain over NVLink, the rest over the NICs at once
-        (as study/replay.py costs it)."""
+        """Seconds per byte of an all-to-all over `group` consecutive devices: NVLink within
+        one domain, the NICs at once for the rest (as study/replay.py costs it)."""
         if group <= 1:
             return 0.0
         inside = min(group, self.domain or group)
@@ -157,9 +148,8 @@ class Prediction:
 def _host_stall(copies: list, pass_s: float, forward: bool, pipelined: bool) -> float:
     """Seconds one layer's pass waits for its host copies, (tag position, seconds) each, one
     at a time on the link."""
-    total = sum(n for _, n in copies)
-    if pipelined or not copies:
-        return max(0.0, total - pass_s)
+    if pipelined or not copies:  # pipelined: each copy has the whole neighbouring layer
+        return max(0.0, sum(n for _, n in copies) - pass_s)
     if forward:  # each copy starts once its tag exists and must land by the layer's end
         link = 0.0
         for position, n in sorted(copies):
@@ -182,24 +172,23 @@ def scan_terms(scan: Scan, placed: dict, sched: Schedule, hw: Hardware,
     """One scan's memory and time under a placement (`recompute`: FLOPs and all-to-all bytes
     one layer's backward repeats)."""
     flops, exchange = recompute
-    kept = [t for t in scan.tags if place(scan, placed, t) == "device"]
+    kept = sum(t.nbytes for t in scan.tags if place(scan, placed, t) == "device")
     moved = [t for t in scan.tags if place(scan, placed, t) == "offload"]
+    offloaded = sum(t.nbytes for t in moved)
     forward_s = scan.forward_flops / hw.rate
     backward_s = (scan.backward_flops + flops) / hw.rate
-    ring = (hw.devices - 1) / hw.devices / hw.nvlink  # seconds per byte of a collective
-    gather = scan.weight_bytes * ring
+    gather = scan.weight_bytes * (hw.devices - 1) / hw.devices / hw.nvlink  # a ring collective
     exchange_s = (2 * scan.exchange + exchange) * hw.all_to_all_s(scan.exchange_group)
-    to_host = sum(t.nbytes for t in moved) / hw.host_link
     if sched.lhs:
         copies = [(t.position, t.nbytes / hw.host_link) for t in moved]
         host = (_host_stall(copies, forward_s, True, sched.pipelined)
                 + _host_stall(copies, backward_s, False, sched.pipelined))
         link = max(0.0, gather - forward_s) + max(0.0, 2 * gather - backward_s) + exchange_s
     else:
-        host, link = 2 * to_host, 3 * gather + exchange_s
+        host, link = 2 * offloaded / hw.host_link, 3 * gather + exchange_s
     n = scan.layers
-    return Terms(device=n * sum(t.nbytes for t in kept), host=n * sum(t.nbytes for t in moved),
-                 prefetch=sum(t.nbytes for t in moved) if sched.pipelined else 0.0,
+    return Terms(device=n * kept, host=n * offloaded,
+                 prefetch=offloaded if sched.pipelined else 0.0,
                  compute_s=n * (forward_s + backward_s), recompute_s=n * flops / hw.rate,
                  host_s=n * host, link_s=n * link)
 
@@ -243,8 +232,8 @@ def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
     where bytes are scarce, the tags that buy the most recompute per byte go first."""
     first, rest = scan.tags[0], scan.tags[1:]
     if exhaustive:
-        combos = itertools.product(*[PLACES] * len(rest))
-        tables = [dict(zip([t.name for t in rest], c)) for c in combos]
+        tables = [dict(zip([t.name for t in rest], c))
+                  for c in itertools.product(PLACES, repeat=len(rest))]
     else:
         order = sorted(rest, key=lambda t: t.saved_flops / max(t.nbytes, 1), reverse=True)
         tables = [{t.name: "device" for t in order[:j]}
@@ -269,13 +258,11 @@ def _front(options: list) -> list:
 
 def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Prediction]:
     """Every candidate over these workloads (`works`: one per micro batch and mesh) and
-    schedules, each scan's dominated tables pruned first (memory and time add up over
-    scans), ranked: fitting ones first, then by predicted step time (recompute summed per
-    tag)."""
+    schedules, recompute summed per tag, each scan's dominated tables pruned first (memory and
+    time add up over scans), ranked (`rank`)."""
     found = []
     for work in works.values():
-        sizes = [2 * 3 ** (len(s.tags) - 1) for s in work.scans]
-        exhaustive = max(sizes) <= EXHAUSTIVE
+        exhaustive = max(2 * 3 ** (len(s.tags) - 1) for s in work.scans) <= EXHAUSTIVE
         per_scan = {s.name: scan_tables(s, exhaustive) for s in work.scans}
         for sched in schedules:
             fronts = [_front([(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
@@ -298,11 +285,10 @@ def rank(predictions: list[Prediction]) -> list[Prediction]:
 def pareto(predictions: list[Prediction]) -> list[Prediction]:
     """The fitting predictions no other beats on both device memory and throughput."""
     fits = sorted((p for p in predictions if p.fits), key=lambda p: (p.device_bytes, -p.tflops))
-    front, best = [], 0.0
+    front = []
     for p in fits:
-        if p.tflops > best:
+        if not front or p.tflops > front[-1].tflops:
             front.append(p)
-            best = p.tflops
     return front
 
 
@@ -316,8 +302,7 @@ def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
     for scan in scans:
         out += [f"placement.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
     sched = candidate.schedule
-    flags = {"xla_gpu_enable_latency_hiding_scheduler": str(sched.lhs).lower(),
-             "xla_gpu_enable_pipelined_host_offloading": str(sched.pipelined).lower()}
+    flags = {LHS: str(sched.lhs).lower(), PIPELINED: str(sched.pipelined).lower()}
     if sched.lhs:  # the study's LHS rows: more async copies in flight beside collectives
-        flags["xla_gpu_experimental_parallel_async_compute_limit"] = "8"
+        flags[ASYNC_LIMIT] = "8"
     return out + [f"xla_flags.{k}={v}" for k, v in flags.items()]

@@ -4,22 +4,17 @@
         [search.batches=1,2,4,8] [search.experts=1,2,4,8] [search.top=10] [search.exact=5]
         [search.verify=0] [search.plot=auto|off]
 
-Every figure comes from the traced full-scale step (abstract values over an abstract mesh,
-as the plan): tag bytes, dot FLOPs and all-to-all bytes with and without checkpointing, each
-tag's recompute saving; hardware figures from study/gpus.py (GEMMs at the bf16 rate the
-replay uses). For a MoE model each expert-parallel degree (the mesh's expert axis) is traced
-apart, its memory, collectives and all-to-alls its own; the recompute each tag saves is
-traced at the experiment's own degree and used for every degree (FLOPs and all-to-all bytes
-per device barely depend on it). This fast model only ranks; `search.verify=N` compiles the
-best N and the rows registered for the model and ranks those by the replay of their compiled
-programs (study/replay.py). `study/search.py` holds the model and the search.
+Every figure comes from the traced full-scale step (abstract values over an abstract mesh, as
+the plan) and study/gpus.py. A MoE model's expert-parallel degrees are traced apart, each with
+its own memory, collectives and all-to-alls; the recompute each tag saves is traced at the
+experiment's own degree and used for every degree (per device it barely depends on it). The
+fast model (study/search.py) only ranks; `search.verify=N` compiles the best N and the model's
+registered rows and ranks those by the replay of their compiled programs (study/replay.py).
 """
 
 import dataclasses
 import functools
-import os
 from pathlib import Path
-
 
 import configs
 from study import memory, plan, search
@@ -29,12 +24,11 @@ from study.gpus import GPUS, Gpu
 from model import families
 from model.config import DeepSeekConfig
 from offload import activations
-from runtime.placement import CompiledMemory
+from runtime.placement import GiB, CompiledMemory
+from runtime.setup import resolve_placement
 from study.compile_only import pool_bytes
 
-GiB = 2**30
-OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0",
-           "plot": "auto"}
+OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
 
 
 def split_options(args: list[str]) -> tuple[list[str], dict]:
@@ -60,7 +54,7 @@ class Tracer:
     asks for (a TracedStep each), and the search's inputs read from them."""
 
     def __init__(self, experiment: Experiment):
-        self.experiment, self.model, self.run = experiment, experiment.model, experiment.run
+        self.model, self.run = experiment.model, experiment.run
         self.scans = list(families.of(self.model).SCANS)
         self.remat = {s: {} for s in self.scans}
         self.steps: dict[tuple[int, int], TracedStep] = {}
@@ -68,8 +62,8 @@ class Tracer:
 
     def mesh(self, expert: int) -> tuple[int, int, int]:
         """The experiment's mesh with `expert` devices on the expert axis, fsdp the rest."""
-        data, devices = self.run.mesh.data, self.run.mesh.devices
-        return data, devices // (data * expert), expert
+        mesh = dataclasses.replace(self.run.mesh, fsdp=-1, expert=expert)
+        return mesh.shape(self.run.mesh.devices)
 
     def step(self, batch: int, expert: int = 0) -> TracedStep:
         expert = expert or self.run.mesh.expert
@@ -100,30 +94,32 @@ class Tracer:
 
     @functools.cache
     def workload(self, batch: int, expert: int = 0, savings: bool = True) -> search.Workload:
-        """The search's inputs at one micro batch and expert-parallel degree; without
-        `savings` (a candidate counted on its own trace needs none) each tag's recompute
-        saving is left at zero."""
+        """The search's inputs at one micro batch and expert-parallel degree; without `savings`
+        (a candidate counted on its own trace needs none) each tag's saving is zero."""
         expert = expert or self.run.mesh.expert
         step = self.step(batch, expert)
-        none, layers = step.work(None), step.layers
+        none = step.work(None)
         remat = self.recompute(batch, self.remat, expert)
-        sites = {s: [v for v in step.sites if v.scan == s and (s, v.tag) in step.needed]
-                 for s in self.scans}
-        fixed, state = self.remat_plan(batch, expert)
+
+        def tag(s: str, v) -> search.Tag:
+            if v.tag == activations.LAYER_INPUT:
+                return search.Tag(v.tag, v.nbytes, 0, 0, 0)
+            saved = self.savings(s, v.tag) if savings else (0, 0)
+            return search.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
+                              *(batch * x for x in saved))
+
         scans = []
         for s in self.scans:
-            tags = sorted(sites[s], key=lambda v: v.tag != activations.LAYER_INPUT)
-            scans.append(search.Scan(
-                s, layers[s], tuple(search.Tag(
-                    v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
-                    *(batch * x for x in (self.savings(s, v.tag) if savings else (0, 0))))
-                    if v.tag != activations.LAYER_INPUT else search.Tag(v.tag, v.nbytes, 0, 0, 0)
-                    for v in tags),
-                none.flops.get((s, "forward"), 0.0) / layers[s],
-                none.flops.get((s, "backward"), 0.0) / layers[s], *remat[s][:1],
-                none.exchanged.get((s, "forward"), 0.0) / layers[s], remat[s][1],
-                step.gathered_layer_bytes(s), expert))
-            fixed -= layers[s] * tags[0].nbytes  # the layer input: placed by the candidate
+            n = step.layers[s]
+            sites = sorted((v for v in step.sites if v.scan == s and (s, v.tag) in step.needed),
+                           key=lambda v: v.tag != activations.LAYER_INPUT)
+            forward, backward = (none.flops.get((s, p), 0.0) / n for p in ("forward", "backward"))
+            scans.append(search.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
+                                     remat[s][0], none.exchanged.get((s, "forward"), 0.0) / n,
+                                     remat[s][1], step.gathered_layer_bytes(s), expert))
+        fixed, state = self.remat_plan(batch, expert)
+        # The layer inputs (each scan's first tag) are the candidate's to place.
+        fixed -= sum(scan.layers * scan.tags[0].nbytes for scan in scans)
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
         flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
         return search.Workload(batch, tuple(scans), other, fixed, flops, state,
@@ -138,19 +134,6 @@ class Tracer:
         gpu = GPUS[self.run.device]
         planned = memory.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory)
         return planned.peak_estimate - planned.device_optimizer, planned.optimizer
-
-
-def schedule_of(run: configs.RunConfig) -> search.Schedule:
-    flags = run.xla_flags
-    return search.Schedule(flags.get(LHS, "false") == "true", flags.get(PIPELINED) == "true")
-
-
-def study_rows(experiment: Experiment) -> list[Experiment]:
-    """The registered rows of this experiment's model, sequence and mesh: the study's (and
-    any searched one), each placed in the search's table."""
-    key = (experiment.model, experiment.run.seq, experiment.run.mesh)
-    return [e for e in configs.EXPERIMENTS.values()
-            if (e.model, e.run.seq, e.run.mesh) == key]
 
 
 _TRACERS: dict[tuple, Tracer] = {}
@@ -168,11 +151,12 @@ def tracer_for(experiment: Experiment) -> Tracer:
 
 
 def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
-    tables = activations.placement(row.run.preset, row.run.placement,
-                                       families.scan_tags(row.model))
+    tables = resolve_placement(row.model, row.run)
+    flags = row.run.xla_flags
+    schedule = search.Schedule(flags.get(LHS) == "true", flags.get(PIPELINED) == "true")
     mesh = tracer.mesh(row.run.mesh.expert) if tracer.moe else None
-    return search.make_candidate(row.run.per_device_batch, tables, schedule_of(row.run),
-                                 row.name, row.run.optimizer_state, mesh)
+    return search.make_candidate(row.run.per_device_batch, tables, schedule, row.name,
+                                 row.run.optimizer_state, mesh)
 
 
 def hardware(gpu: Gpu, devices: int) -> search.Hardware:
@@ -205,10 +189,7 @@ def batches_of(experiment: Experiment, text: str) -> list[int]:
     if not text:
         n = experiment.run.per_device_batch
         return [b for b in range(1, n + 1) if n % b == 0]
-    try:
-        found = sorted({int(b) for b in text.split(",")})
-    except ValueError:
-        found = [0]
+    found = sorted({int(b) if b.strip().isdigit() else 0 for b in text.split(",")})
     if found[0] < 1:
         raise ConfigError(f"search.batches={text!r}: expected whole numbers >= 1, e.g. 1,2,4")
     return found
@@ -232,12 +213,8 @@ def experts_of(experiment: Experiment, text: str) -> list[int]:
         powers = [2**i for i in range(1, per_replica.bit_length())]
         return sorted({run.mesh.expert} | {e for e in powers if e <= domain and not (
             model.n_experts % e or per_replica % e)})
-    try:
-        found = sorted({int(e) for e in text.split(",")})
-    except ValueError:
-        found = [0]
-    bad = [e for e in found if e < 1 or model.n_experts % e or per_replica % e]
-    if bad:
+    found = sorted({int(e) if e.strip().isdigit() else 0 for e in text.split(",")})
+    if any(e < 1 or model.n_experts % e or per_replica % e for e in found):
         raise ConfigError(f"search.experts={text!r}: each must divide the {model.n_experts} "
                           f"experts and the {per_replica} devices of a data replica")
     return found
@@ -250,19 +227,19 @@ def run_search(experiment: Experiment, options: dict, clock) -> Result:
     run = experiment.run
     tracer = tracer_for(experiment)
     hw = hardware(GPUS[run.device], run.mesh.devices)
-    rows = [row_candidate(tracer, e) for e in study_rows(experiment)]
+    # The registered rows of this model, sequence and mesh: the study's and any searched one.
+    rows = [row_candidate(tracer, e) for e in configs.EXPERIMENTS.values()
+            if (e.model, e.run.seq, e.run.mesh) == (experiment.model, run.seq, run.mesh)]
     batches = batches_of(experiment, options["batches"])
     degrees = experts_of(experiment, options["experts"])
     works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
-    schedules = [search.Schedule(True), search.Schedule(True, True)]
-    ranked = search.search(works, hw, schedules)
-    searched = len(ranked)
+    ranked = search.search(works, hw, [search.Schedule(True), search.Schedule(True, True)])
     # Count the leaders' recompute on their own traces until the leaders are all counted so.
     while (todo := [p for p in ranked[:int(options["exact"])] if p.fits and not p.exact]):
         ranked = search.rank([exact(tracer, p.candidate, hw) if p in todo else p
                               for p in ranked])
     return Result(experiment, hw, batches, ranked, [exact(tracer, c, hw) for c in rows],
-                  searched, clock() - started)
+                  len(ranked), clock() - started)
 
 
 def placement_text(candidate: search.Candidate, scans) -> str:
@@ -331,10 +308,7 @@ def best_lines(result: Result, scans) -> list[str]:
                      f"{best.tflops / row.tflops - 1:+.1%} over the study's best row "
                      f"{row.candidate.row} as predicted ({row.tflops:,.0f}; measured "
                      f"{configs.STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
-    pool = float(os.environ.get(plan.HOST_POOL_VARIABLE, plan.HOST_POOL_DEFAULT_GIB))
-    if best.host_bytes > pool * GiB:
-        lines.append(f"its host bytes exceed XLA's pinned-host pool: set "
-                     f"{plan.HOST_POOL_VARIABLE}={int(best.host_bytes / GiB * 1.1) + 1}")
+    lines += plan.host_pool_warning(best.host_bytes)
     return lines + ["run it: python train.py " + " ".join(
         [result.experiment.name, f"device={result.hw.name}",
          *search.overrides(best.candidate, scans)])]
@@ -369,8 +343,7 @@ def verified_lines(found: list[Verified], capacity: int) -> list[str]:
 
 def write_plot(result: Result, out_dir: str) -> str:
     """Every fitting candidate and the Pareto front as a PNG beside the runs (device memory vs
-    predicted TFLOP/s/device, host bytes as colour, the study's rows marked), when the
-    optional `plot` extra (matplotlib) is installed."""
+    predicted TFLOP/s/device, host bytes as colour, the study's rows marked); needs matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")

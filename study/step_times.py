@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 
 import configs
-from model import families
 from runtime import setup as runtime_setup
 from study import predicted
-from study.compile_only import compile_only
 from study.compiled import compile_row
 from study.gpus import GPUS
 
@@ -26,7 +24,7 @@ ROWS = [*configs.COMPARISONS["llama405b-compare"], "llama405b-searched",
 # What-ifs, each one figure of study/gpus.py changed: how much of a miss a term explains.
 WHAT_IFS = {"one NVLink domain": {"nvlink_domain": 128},
             "host link not shared": {"host_link_gpus": 1}}
-# (what, numerator row, denominator row, the study's figure): the study's claims as ratios.
+# (what, numerator row, denominator row): the study's claims as ratios of its figures.
 RATIOS = [("Llama: Q/K/V offload + LHS vs baseline", "llama405b-offload", "llama405b-baseline"),
           ("Llama: offload without LHS vs baseline", "llama405b-offload-nolhs",
            "llama405b-baseline"),
@@ -40,27 +38,22 @@ RATIOS = [("Llama: Q/K/V offload + LHS vs baseline", "llama405b-offload", "llama
 FIT_ON = {"fp4": "llama405b-baseline", "bf16": "deepseek671b-offload"}
 
 
-def compiled_hlo(name: str, hlo_dir: Path | None, targets: dict) -> str:
-    if hlo_dir is not None and (hlo_dir / f"{name}.hlo").exists():
-        return (hlo_dir / f"{name}.hlo").read_text()
-    setup = runtime_setup.resolve(name, [], full=True)
-    key = (setup.run.device, setup.run.mesh.devices)
-    if key not in targets:
-        targets[key] = compile_only(GPUS[key[0]], key[1])
-    text = compile_row(setup, targets[key]).hlo
-    if hlo_dir is not None:
+def compiled_hlo(name: str, hlo_dir: Path | None) -> str:
+    saved = None if hlo_dir is None else hlo_dir / f"{name}.hlo"
+    if saved and saved.exists():
+        return saved.read_text()
+    text = compile_row(runtime_setup.resolve(name, [], full=True)).hlo
+    if saved:
         hlo_dir.mkdir(parents=True, exist_ok=True)
-        (hlo_dir / f"{name}.hlo").write_text(text)
+        saved.write_text(text)
     return text
 
 
 def predict(name: str, text: str, efficiency=None, **changes) -> predicted.StepPrediction:
     experiment = configs.get(name)
-    model, run = experiment.model, experiment.run
-    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
-    gpu = dataclasses.replace(GPUS[run.device], **changes)
-    return predicted.predict(text, gpu, run.mesh.devices, flops,
-                             configs.STUDY_TFLOPS.get(name), efficiency=efficiency)
+    gpu = dataclasses.replace(GPUS[experiment.run.device], **changes)
+    return predicted.of_experiment(experiment, text, gpu, experiment.run.mesh.devices,
+                                   efficiency=efficiency)
 
 
 def fit(cls: str, name: str, text: str) -> str:
@@ -85,13 +78,13 @@ def main(argv: list[str]) -> int:
         at = argv.index("--hlo")
         hlo_dir, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
     names = argv or ROWS
-    texts, targets, found = {}, {}, {}
+    texts, found = {}, {}
     print("| row | replayed step s | TFLOP/s/device | study | vs study | exposed collectives s "
           "| exposed host s | critical | GEMM PFLOP | compile + replay s |")
     print("|" + "---|" * 10)
     for name in names:
         started = time.perf_counter()
-        texts[name] = compiled_hlo(name, hlo_dir, targets)
+        texts[name] = compiled_hlo(name, hlo_dir)
         p = found[name] = predict(name, texts[name])
         r, study = p.result, p.study_tflops
         host = r.exposed["to host"] + r.exposed["from host"]

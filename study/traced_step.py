@@ -6,10 +6,11 @@ A `TracedStep` is (model, run) at the run's micro batch on an abstract mesh of t
 share of the step traced alone. Each view of it (the tag sites, what the backward pass reads,
 the residuals and offloads of a placement, the exported program, the work) is traced on first
 use and kept: a report that needs it twice traces it once. MoE experts are traced as a GPU
-computes them (grouped GEMMs, or under expert parallelism one GEMM per local expert).
+computes them (target "any": grouped GEMMs, or under expert parallelism one per local expert).
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType
 from study import jaxpr, placement
 from configs import MESH_AXES, RunConfig
 from model import common, families, quant
+from runtime.placement import tagged_in
 from trainer import program as build
 from trainer.step import make_optimizer
 from trainer.target import ANY, forward_options
@@ -30,10 +32,19 @@ def freeze(tables: dict | None):
         (s, tuple(sorted(t.items()))) for s, t in sorted(tables.items()))
 
 
+def _traced_once(view):
+    """A view of the step under a placement, traced on first use and kept."""
+    @functools.wraps(view)
+    def kept(self, *tables: dict | None):
+        key = (view.__name__, *map(freeze, tables))
+        if key not in self._traced:
+            self._traced[key] = view(self, *tables)
+        return self._traced[key]
+    return kept
+
+
 class TracedStep:
     def __init__(self, model, run: RunConfig, mesh_shape: tuple[int, int, int]):
-        if run.expert_path == "auto":
-            run = dataclasses.replace(run, expert_path="sorted")
         self.model, self.run, self.family = model, run, families.of(model)
         self.scans = list(self.family.SCANS)
         self.devices, self.fsdp, self.expert = math.prod(mesh_shape), *mesh_shape[1:]
@@ -45,19 +56,13 @@ class TracedStep:
         self.batch = build.abstract_batch(run, self.rules, self.devices)
         # One device's share of the work, unsharded: its activations are what it stores. Under
         # expert parallelism it holds only its own experts.
-        self.specs = jax.tree.map(self._own_experts, self.family.param_specs(model),
-                                  is_leaf=_is_spec)
+        self.specs = jax.tree.map(self._own_experts, self.family.param_specs(model))
         self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
         self.local_batch = jax.ShapeDtypeStruct(
             (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
         self.layers = {s: next(iter(self.specs[s].values())).shape[0] for s in self.scans}
+        self.compute_bytes = jnp.dtype(run.compute_dtype).itemsize  # per element
         self._traced: dict = {}
-
-    def _once(self, view: str, tables: dict | None, make):
-        key = (view, freeze(tables))
-        if key not in self._traced:
-            self._traced[key] = make()
-        return self._traced[key]
 
     def split_by_expert(self, spec: common.ParamSpec) -> bool:
         """Under expert parallelism, routed-expert weights: each device has its own share."""
@@ -66,72 +71,62 @@ class TracedStep:
     def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
         if not self.split_by_expert(spec):
             return spec
-        axis = spec.axes.index("experts")
         shape = list(spec.shape)
-        shape[axis] //= self.expert
+        shape[spec.axes.index("experts")] //= self.expert
         return dataclasses.replace(spec, shape=tuple(shape))
 
-    def local_loss(self, tables: dict | None):
-        """One device's loss under `tables`, traced alone (no mesh), as a function of
-        (params, batch)."""
-        loss = build.make_loss(self.model, self.run, tables, rules=None, target=ANY)
-        return lambda params, batch: loss(params, batch)[0]
+    def loss(self, tables: dict | None, rules: common.AxisRules | None = None):
+        """The loss under `tables` as a function of (params, batch): of the sharded step
+        (`rules`), or of one device's share traced alone (no mesh)."""
+        with_aux = build.make_loss(self.model, self.run, tables, rules, target=ANY)
+        return lambda params, batch: with_aux(params, batch)[0]
 
     @property
+    @_traced_once
     def sites(self) -> list[jaxpr.Tagged]:
         """Every `checkpoint_name` site, per device and per layer, in scan order."""
-        def make():
-            found = jaxpr.tagged_values(self.local_loss(None), self.local_params,
-                                        self.local_batch)
-            sites = [v for values in found.values() for v in values]
-            return sorted(sites, key=lambda v: self.scans.index(v.scan))
-        return self._once("sites", None, make)
+        found = jaxpr.tagged_values(self.loss(None), self.local_params, self.local_batch)
+        return sorted((v for values in found.values() for v in values),
+                      key=lambda v: self.scans.index(v.scan))
 
     @property
+    @_traced_once
     def needed(self) -> set[tuple[str, str]]:
         """(scan, tag) of every tag the backward pass reads: with everything offloaded, exactly
         those are moved to host."""
         everything = {s: {t: "offload" for t in tags} for s, tags in self.family.SCANS.items()}
-        return self._once("needed", None, lambda: {
-            (v.scan, v.tag) for v in self.moved(everything)})
+        return {(v.scan, v.tag) for v in self.moved(everything)}
 
+    @_traced_once
     def moved(self, tables: dict | None) -> list[jaxpr.Tagged]:
         """The values one device's step moves to host memory under `tables`."""
-        return self._once("moved", tables, lambda: [
-            v for found in jaxpr.offloaded_tags(jax.grad(self.local_loss(tables)),
-                                                self.local_params, self.local_batch).values()
-            for v in found])
+        grad = jax.make_jaxpr(jax.grad(self.loss(tables)))(self.local_params, self.local_batch)
+        return [v for values in tagged_in(grad.jaxpr, offloaded=True).values() for v in values]
 
+    @_traced_once
     def residuals(self, tables: dict | None) -> list[jaxpr.Residual]:
         """What one device's backward pass keeps from its forward pass under `tables`."""
-        return self._once("residuals", tables, lambda: jaxpr.saved_residuals(
-            self.local_loss(tables), self.local_params, self.local_batch))
+        return jaxpr.saved_residuals(self.loss(tables), self.local_params, self.local_batch)
 
+    @_traced_once
     def exported(self, tables: dict | None) -> set[tuple[str, str]]:
         """(scan, tag) of what the sharded step, exported for a GPU, offloads under `tables`
         (checked against the traced program: study/placement.py)."""
-        def make():
-            step = build.make_step(self.model, self.run, tables, self.rules, self.optimizer,
-                                   ANY)
-            return placement.verify_offloads(step, self.state, self.batch)
-        return self._once("exported", tables, make)
+        step = build.make_step(self.model, self.run, tables, self.rules, self.optimizer, ANY)
+        return placement.verify_offloads(step, self.state, self.batch)
 
+    @_traced_once
     def work(self, tables: dict | None) -> jaxpr.Work:
         """Dot FLOPs and all-to-all bytes of the sharded gradient under `tables`, per device."""
-        def make():
-            loss = build.make_loss(self.model, self.run, tables, self.rules, ANY)
-            return jaxpr.work(jax.grad(lambda p, b: loss(p, b)[0]), self.state["params"],
-                              self.batch, devices=self.devices)
-        return self._once("work", tables, make)
+        return jaxpr.work(jax.grad(self.loss(tables, self.rules)), self.state["params"],
+                          self.batch, devices=self.devices)
 
     def gathered_layer_bytes(self, scan: str) -> int:
         """One layer's weights as FSDP all-gathers them (in the compute dtype), which is also
         its gradients' reduce-scatter; under expert parallelism, a device's own experts (not
         gathered at all without an fsdp axis)."""
-        shared = [s for s in self.specs[scan].values()
-                  if self.fsdp > 1 or not self.split_by_expert(s)]
-        return (sum(math.prod(s.shape[1:]) for s in shared)
-                * jnp.dtype(self.run.compute_dtype).itemsize)
+        return self.compute_bytes * sum(math.prod(s.shape[1:]) for s in self.specs[scan].values()
+                                        if self.fsdp > 1 or not self.split_by_expert(s))
 
     def widest_layer_weights(self) -> int:
         """Parameters of the widest layer (of any scan), as one device's share holds them."""
@@ -146,22 +141,14 @@ class TracedStep:
         tokens = self.local_batch.shape[0] * self.run.seq
         rows = self.model.n_experts * parallel.block_rows(tokens, self.model.experts_per_token,
                                                           self.model.n_experts)
-        return 4 * rows * self.model.d_model * jnp.dtype(self.run.compute_dtype).itemsize
+        return 4 * rows * self.model.d_model * self.compute_bytes
 
     def quantizable_matrices(self) -> tuple[int, int]:
         """Per device, the layer matrices `quant=nvfp4` multiplies in NVFP4: (bytes in the
         compute dtype, bytes stored as NVFP4: E2M1 codes at 4 bits, E4M3 scales, FP32 scale)."""
         specs = self.family.param_specs(self.model)
-        plain = stored = 0
-        for scan in self.scans:
-            for name, spec in specs[scan].items():
-                if not common.quantizable(name, len(spec.shape) - 1, self.family.UNQUANTIZED):
-                    continue
-                per_layer = math.prod(spec.shape[1:])
-                plain += spec.shape[0] * per_layer * jnp.dtype(self.run.compute_dtype).itemsize
-                stored += spec.shape[0] * quant.nvfp4_bytes((per_layer,), 0)
+        shapes = [spec.shape for scan in self.scans for name, spec in specs[scan].items()
+                  if common.quantizable(name, len(spec.shape) - 1, self.family.UNQUANTIZED)]
+        plain = sum(math.prod(shape) for shape in shapes) * self.compute_bytes
+        stored = sum(shape[0] * quant.nvfp4_bytes((math.prod(shape[1:]),), 0) for shape in shapes)
         return plain // self.shards, stored // self.shards
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, common.ParamSpec)

@@ -3,6 +3,7 @@ from XLA's target specs): every experiment row through the builder a GPU run use
 XLA really does with the offloads, against the study's tables (tests/test_study.py)."""
 
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -24,6 +25,7 @@ from study.gpus import GPUS
 from configs import PIPELINED
 from model import common
 from model.config import DeepSeekConfig
+from offload import optimizer_state
 from runtime import backend, placement, report
 from runtime import setup as runtime_setup
 from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
@@ -62,6 +64,8 @@ IN_HOST_MEMORY = {
 # The DeepSeek rows whose memory the study gives compile at full depth and must fit in it.
 # (All rows at full depth: study/compile_table.py, a few minutes here.)
 FULL_DEPTH = {"deepseek671b-offload", "deepseek671b-offload-nolhs"}
+# Latency hiding on and off, the same step otherwise (assert_scheduled).
+LHS_TWINS = {"llama405b-offload": True, "llama405b-offload-nolhs": False}
 
 
 @functools.cache
@@ -177,8 +181,10 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
     planned = sum(line.value.nbytes * line.value.count for line in built.run_tags
                   if line.offloaded)
     compiled = built.compiled_memory()
-    if experiment.run.optimizer_state == "device":  # (else: tests/test_host_state.py)
+    if experiment.run.optimizer_state == "device":
         assert compiled.host == planned
+    else:
+        assert_the_moments_are_written_to_host(built)
     if name in FULL_DEPTH:
         assert compiled.device <= STUDY_MEMORY_GIB[name] * GiB
         assert abs(built.full_plan.peak_estimate / compiled.device - 1) <= 0.05
@@ -193,6 +199,12 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
                                           [d.id for d in built.mesh.devices.flat])["expert"]
         assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
         assert not found["crossing"]
+    if name in LHS_TWINS:
+        assert_scheduled(parse_module(hlo), LHS_TWINS[name])
+    if name in PIPELINED_ROWS:  # the first layer's fetch issued before the backward loop
+        assert set(outside_loops(hlo).values()) == {1}
+    elif IN_HOST_MEMORY[name]:  # without the flag every host write is in the forward loop
+        assert {n for (_, write), n in outside_loops(hlo).items() if write} == {0}
     fp4 = experiment.run.quant == "nvfp4" and GPUS[experiment.run.device].capability[0] == 10
     assert ('"__cudnn$blockScaledDot"' in hlo) == fp4
     if fp4:
@@ -201,6 +213,20 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         matrices = {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "wo": (N * H, D),
                     "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
         assert_every_gemm_of_a_layer_is_fp4(hlo, matrices, layers=2)
+
+
+def assert_the_moments_are_written_to_host(row: CompiledRow) -> None:
+    """With the optimizer state on host, the step's outputs in host memory are exactly the
+    moments (its arguments arrive on the device there: no memory kinds), and the figures the
+    report gives move the moments off the device (tests/test_host_state.py: the training)."""
+    built, setup = row.built, row.setup
+    stats = built.compiled.memory_analysis()
+    state = program.abstract_state(setup.model, setup.run, built.rules, built.optimizer)
+    moments = optimizer_state.per_device_bytes(
+        [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
+    assert built.arrived == moments == optimizer_state.moment_bytes(state["opt_state"])
+    assert stats.host_output_size_in_bytes == moments
+    assert built.compiled_memory().arguments == stats.argument_size_in_bytes - moments
 
 
 def assert_every_gemm_of_a_layer_is_fp4(hlo_text: str, matrices: dict, layers: int):
@@ -370,46 +396,57 @@ def test_compile_command_rejects_bad_input(capsys):
     assert "set mesh.fsdp" in capsys.readouterr().err
 
 
-def test_the_no_lhs_rows_compile_without_the_latency_hiding_scheduler():
-    """An LHS row and its no-LHS twin (the same step, one flag apart), compiled for the
-    study's GPUs: with the scheduler, most collectives are issued asynchronously with kernels
-    between start and done, and every host transfer overlaps kernels; without it XLA runs
-    most collectives in place. (jaxlib 0.10.2 scheduled both alike: its analytical estimator
-    turned LHS on whatever the flag said.) Host transfers overlap kernels with LHS; without it
-    XLA's default scheduler places them by its own heuristics (with FP4 weights it overlaps
-    them too)."""
-    gpu, overlaps = GPUS["gb200"], {}
-    for name in ("llama405b-offload", "llama405b-offload-nolhs"):
-        built = built_as_a_gpu_run(name, FEWER_LAYERS["llama"])
-        overlaps[name] = replay.overlap(hlo.parse_module(built.compiled.as_text()), gpu, 128)
-    lhs, none = overlaps["llama405b-offload"], overlaps["llama405b-offload-nolhs"]
-    assert len(lhs.kernels_between("collectives")) >= 2 * lhs.synchronous
-    assert none.synchronous >= 5 * len(none.kernels_between("collectives"))
+def assert_scheduled(module, latency_hiding: bool) -> None:
+    """An LHS row and its no-LHS twin are the same step, one flag apart. With the scheduler,
+    most collectives are issued asynchronously with kernels between start and done, and every
+    host transfer overlaps kernels; without it XLA runs most collectives in place. (jaxlib
+    0.10.2 scheduled both alike: its analytical estimator turned LHS on whatever the flag
+    said.) Without LHS XLA's default scheduler places host transfers by its own heuristics."""
+    overlap = replay.overlap(module, GPUS["gb200"], 128)
+    if not latency_hiding:
+        assert overlap.synchronous >= 5 * len(overlap.kernels_between("collectives"))
+        return
+    assert len(overlap.kernels_between("collectives")) >= 2 * overlap.synchronous
     for stream in ("to host", "from host"):
-        assert len(lhs.kernels_between(stream)) >= 3 and min(lhs.kernels_between(stream)) >= 1
+        assert len(overlap.kernels_between(stream)) >= 3
+        assert min(overlap.kernels_between(stream)) >= 1
 
 
 PIPELINED_ROWS = sorted(name for name, e in configs.EXPERIMENTS.items()
                         if e.run.xla_flags.get(PIPELINED) == "true")
 
 
-@pytest.mark.parametrize("name", PIPELINED_ROWS)
-def test_the_pipelined_rows_fetch_each_host_buffers_first_layer_before_its_loop(name):
-    """Each row that sets xla_gpu_enable_pipelined_host_offloading, compiled for its GPUs as
-    it is and, the same step, with the flag off: with it XLA peels one write and one read of
-    every offloaded buffer out of the layer loops (the first layer's fetch is issued before
-    the backward loop starts, each next one from the iteration before); without it every
-    write is inside the forward loop. (A read may still be outside without it: with FP4
-    weights XLA peels the backward loop's first layer to start its weight gathers early.)"""
+def outside_loops(hlo_text: str) -> collections.Counter:
+    """(host buffer, write) -> how many of its accesses lie outside every loop."""
+    outside = collections.Counter()
+    for access in addressing.accesses(hlo_text):
+        outside[access.buffer.name, access.write] += not access.loops
+    return outside
+
+
+# Rows that set the pipelined flag, each with the same step without it: another row where the
+# study has one (the every-row test checks both), else that step compiled here.
+PIPELINED_TWINS = {"llama405b-offload-pipelined": "llama405b-offload"}
+
+
+@pytest.mark.parametrize("name", sorted(set(PIPELINED_ROWS) - set(PIPELINED_TWINS)))
+def test_without_the_pipelined_flag_every_host_write_is_in_its_loop(name):
+    """Each row that sets xla_gpu_enable_pipelined_host_offloading peels one write and one read
+    of every offloaded buffer out of the layer loops (the every-row test above); the same step
+    with the flag off writes every buffer inside the forward loop. (A read may still be outside
+    without it: with FP4 weights XLA peels the backward loop's first layer to start its weight
+    gathers early.)"""
     family = "deepseek" if isinstance(configs.get(name).model, DeepSeekConfig) else "llama"
-    outside = {}
-    for flag in ("true", "false"):
-        built = built_as_a_gpu_run(name, [*FEWER_LAYERS[family], f"xla_flags.{PIPELINED}={flag}"])
-        outside[flag] = collections.Counter()  # (buffer, write) -> accesses outside loops
-        for access in addressing.accesses(built.compiled.as_text()):
-            outside[flag][access.buffer.name, access.write] += not access.loops
-    assert outside["true"] and set(outside["true"].values()) == {1}
-    assert outside["false"] and {n for (_, write), n in outside["false"].items() if write} == {0}
+    built = built_as_a_gpu_run(name, [*FEWER_LAYERS[family], f"xla_flags.{PIPELINED}=false"])
+    outside = outside_loops(built.compiled.as_text())
+    assert outside and {n for (_, write), n in outside.items() if write} == {0}
+
+
+def test_a_pipelined_twin_differs_in_the_flag_alone():
+    for row, twin in PIPELINED_TWINS.items():
+        flags = dict(configs.get(row).run.xla_flags)
+        assert flags.pop(PIPELINED) == "true"
+        assert configs.get(twin).run == dataclasses.replace(configs.get(row).run, xla_flags=flags)
 
 
 def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():

@@ -6,7 +6,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from configs import MESH_AXES, ConfigError, RunConfig
@@ -15,16 +14,14 @@ from offload import activations
 from offload.optimizer_state import host_update
 from runtime.backend import explained_compile
 from trainer.step import device_update, loss_fn, optimizer_parts, train_step
-from trainer.target import Target, compiler_options, forward_options
+from trainer.target import ANY, Target, compiler_options, forward_options, quantization
 
 
 def make_mesh(run: RunConfig, devices) -> jax.sharding.Mesh:
     """The run's data x fsdp x expert mesh over `devices` in their order: the expert axis
     innermost, so each expert group is mesh.expert consecutive devices: neighbours, inside one
     NVLink domain when processes take consecutive ranks by host (docs/model.md)."""
-    shape = run.mesh.shape(len(devices))
-    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return common.make_mesh(run.mesh.shape(len(devices)), MESH_AXES, devices)
 
 
 def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
@@ -56,13 +53,11 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
     found by tracing its forward on abstract values."""
     if run.quant == "none":
         return []
-    params = common.abstract_params(families.of(model).param_specs(model))
-    tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
-    quantization = quant.Quantization("dequantize", run.quant_tiles == "16x16",
-                                      run.quant_backward)
-    forward = partial(families.of(model).forward, cfg=model, quantization=quantization)
+    family = families.of(model)
+    forward = partial(family.forward, cfg=model, quantization=quantization(run, ANY))
     try:
-        jax.eval_shape(forward, params, tokens)
+        jax.eval_shape(forward, common.abstract_params(family.param_specs(model)),
+                       jax.ShapeDtypeStruct((1, 16), jnp.int32))
     except quant.QuantError as e:
         return [f"quant={run.quant}: {e}"]
     return []
@@ -79,7 +74,6 @@ def make_loss(model, run: RunConfig, placement: dict | None, rules, target: Targ
 
 
 def make_step(model, run: RunConfig, placement: dict | None, rules, optimizer, target: Target):
-    """The jitted train step, its state donated."""
     if run.optimizer_state == "host":
         adamw = optimizer_parts(run.optimizer, run.steps)[1]
         update = host_update(run.optimizer.clip_norm, adamw, families.of(model).SCANS)

@@ -1,8 +1,5 @@
-"""The math of one training step: the loss, the optimizer, the router-bias update, the step.
-
-Shared by the trainer, the study tools and the tests; nothing here reads experiments or the
-command line.
-"""
+"""The math of one training step (the loss, the optimizer, the router-bias update, the step),
+shared by the trainer, the study tools and the tests; it reads no experiment or command line."""
 
 from functools import partial
 
@@ -30,14 +27,14 @@ def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=Non
     positions of every sequence at a time. A chunk's [B, T/chunks, V] fp32 logits exist only
     while it runs and again in the backward pass (recomputed: one more LM-head GEMM), instead
     of all B x T x V logits and their gradient at once (docs/model.md: the sizes)."""
-    if chunks == 1:
+    def loss(x, targets):
         return cross_entropy(unembed(x, params["final_norm"], params["lm_head"], eps), targets)
 
     def chunk(total, inputs):
-        x, targets = inputs
-        logits = unembed(x, params["final_norm"], params["lm_head"], eps)
-        return total + cross_entropy(logits, targets), None
+        return total + loss(*inputs), None
 
+    if chunks == 1:
+        return loss(x, targets)
     # Chunks along the sequence, so each holds every (batch-sharded) sequence.
     xs = constrain(rearrange(x, "b (c t) d -> c b t d", c=chunks), rules,
                    (None, "batch", "seq", None))

@@ -1,6 +1,5 @@
-"""What a train step is built for: this machine's devices, GPUs that only compile (the study
-tools make them from XLA's target specs), or "any" backend (tracing and export over abstract
-meshes); and what follows from it: kernels, the NVFP4 path, the XLA flags a compile gets."""
+"""What a train step is built for (`Target`: this machine's devices, GPUs the study tools
+compile for, or any backend) and what follows from it: kernels, the NVFP4 path, XLA flags."""
 
 import dataclasses
 
@@ -57,7 +56,6 @@ def forward_options(model, run: RunConfig, target: Target) -> dict:
     and, for MoE models, how routed experts are computed (grouped GEMMs on accelerators; every
     expert densely on CPUs, where ragged_dot is slow) or, with mesh.expert > 1, split over
     the expert axis."""
-    on_cpu = target.platform == "cpu"
     attention = "xla" if target.platform == "any" else run.attention
     if attention == "auto":
         fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
@@ -66,11 +64,10 @@ def forward_options(model, run: RunConfig, target: Target) -> dict:
                "quantization": quantization(run, target)}
     if isinstance(model, DeepSeekConfig) and run.mesh.expert > 1:
         # A device runs each of its experts as one GEMM over its blocks: no expert path.
-        options["expert_parallel"] = deepseek.ExpertParallel(run.mesh.expert,
-                                                             run.expert_capacity)
+        options["expert_parallel"] = deepseek.ExpertParallel(run.mesh.expert, run.expert_capacity)
     elif isinstance(model, DeepSeekConfig):
-        path = run.expert_path
-        options["expert_path"] = ("dense" if on_cpu else "sorted") if path == "auto" else path
+        auto = "dense" if target.platform == "cpu" else "sorted"
+        options["expert_path"] = auto if run.expert_path == "auto" else run.expert_path
     return options
 
 
@@ -100,7 +97,6 @@ def compiler_options(run: RunConfig, target: Target) -> dict:
     break a CPU compile."""
     if target.platform != "gpu":
         return {}
-
-    def typed(v: str):
-        return {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
-    return {k: typed(v) for k, v in run.xla_flags.items()}
+    booleans = {"true": True, "false": False}
+    return {k: booleans.get(v.lower(), int(v) if v.isdigit() else v)
+            for k, v in run.xla_flags.items()}
