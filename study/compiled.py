@@ -21,8 +21,8 @@ class CompiledRow:
     gpu: Gpu
     built: runtime_setup.Built
 
-    @property
-    def hlo(self) -> str:
+    @functools.cached_property
+    def hlo(self) -> str:  # (printing a full-width module takes seconds: once)
         return self.built.compiled.as_text()
 
     @property

@@ -171,23 +171,23 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
     within it, and the static plan lands within 5% of the compiled figure."""
     experiment = configs.get(name)
     family = "deepseek" if isinstance(experiment.model, DeepSeekConfig) else "llama"
-    built = built_as_a_gpu_run(name, [] if name in FULL_DEPTH else FEWER_LAYERS[family])
-    hlo = built.compiled.as_text()
-    assert {(line.value.scan, line.value.tag) for line in built.run_tags
+    row = built_as_a_gpu_run(name, [] if name in FULL_DEPTH else FEWER_LAYERS[family])
+    hlo, module = row.hlo, parse_module(row.hlo)
+    assert {(line.value.scan, line.value.tag) for line in row.run_tags
             if line.in_host_memory} == IN_HOST_MEMORY[name]
     # Each read back from where it was written (tests/test_addressing.py: the proof).
-    assert all(line.addressing.holds for line in built.run_tags if line.in_host_memory)
+    assert all(line.addressing.holds for line in row.run_tags if line.in_host_memory)
     assert "__triton_collective" not in hlo  # all-reduces on NCCL (backend.NCCL_ALL_REDUCES)
-    planned = sum(line.value.nbytes * line.value.count for line in built.run_tags
+    planned = sum(line.value.nbytes * line.value.count for line in row.run_tags
                   if line.offloaded)
-    compiled = built.compiled_memory()
+    compiled = row.compiled_memory()
     if experiment.run.optimizer_state == "device":
         assert compiled.host == planned
     else:
-        assert_the_moments_are_written_to_host(built)
+        assert_the_moments_are_written_to_host(row)
     if name in FULL_DEPTH:
         assert compiled.device <= STUDY_MEMORY_GIB[name] * GiB
-        assert abs(built.full_plan.peak_estimate / compiled.device - 1) <= 0.05
+        assert abs(row.full_plan.peak_estimate / compiled.device - 1) <= 0.05
     attention = custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
     assert attention and custom_call_operands(hlo, "__cudnn$fmhaSoftmaxBackward")
     if family == "deepseek":  # MLA: q and k 192 wide, v 128 as it is (no zero padding)
@@ -195,12 +195,12 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         assert {(q[-1], k[-1], v[-1]) for q, k, v in attention} == {
             (qk, qk, experiment.model.v_head_dim)}
     if family == "deepseek":  # each expert exchange over one expert group, in one NVLink domain
-        found = predicted.exchange_groups(parse_module(hlo), GPUS[experiment.run.device],
-                                          [d.id for d in built.mesh.devices.flat])["expert"]
+        found = predicted.exchange_groups(module, GPUS[experiment.run.device],
+                                          [d.id for d in row.mesh.devices.flat])["expert"]
         assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
         assert not found["crossing"]
     if name in LHS_TWINS:
-        assert_scheduled(parse_module(hlo), LHS_TWINS[name])
+        assert_scheduled(module, LHS_TWINS[name])
     if name in PIPELINED_ROWS:  # the first layer's fetch issued before the backward loop
         assert set(outside_loops(hlo).values()) == {1}
     elif IN_HOST_MEMORY[name]:  # without the flag every host write is in the forward loop
@@ -212,7 +212,7 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
         matrices = {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "wo": (N * H, D),
                     "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-        assert_every_gemm_of_a_layer_is_fp4(hlo, matrices, layers=2)
+        assert_every_gemm_of_a_layer_is_fp4(module, matrices, layers=2)
 
 
 def assert_the_moments_are_written_to_host(row: CompiledRow) -> None:
@@ -229,13 +229,12 @@ def assert_the_moments_are_written_to_host(row: CompiledRow) -> None:
     assert built.compiled_memory().arguments == stats.argument_size_in_bytes - moments
 
 
-def assert_every_gemm_of_a_layer_is_fp4(hlo_text: str, matrices: dict, layers: int):
+def assert_every_gemm_of_a_layer_is_fp4(module, matrices: dict, layers: int):
     """Transformer Engine's recipe in the compiled program: in the forward layer loop one FP4
     GEMM per layer matrix; in the backward one Dgrad and one Wgrad per matrix (and the
     forward's, recomputed where the policy recomputes them). Per step, every layer matrix
     gathered as FP4 codes (s8: two E2M1 per byte) once a layer in each pass, and no layer
     matrix gathered in bf16 or f32. `matrices`: name -> its [K, N] as the GEMMs see it."""
-    module = parse_module(hlo_text)
     loops = layer_loops(module)
     forward = [gemms for gemms in loops if not gemms["dgrad"]]
     backward = [gemms for gemms in loops if gemms["dgrad"]]
@@ -251,6 +250,17 @@ def assert_every_gemm_of_a_layer_is_fp4(hlo_text: str, matrices: dict, layers: i
     shapes = {s for k, n in matrices.values() for s in ((k, n), (n, k))}
     assert not [(dtype, shape) for dtype, shape in gathered
                 if dtype in ("bf16", "f16", "f32") and shape in shapes]
+
+
+def test_jaxs_nvfp4_recipe_compiles_for_a_gpu():
+    """quant_backward=bf16 (JAX's recipe: the forward in FP4, the backward in bf16) with 1x16
+    weight blocks, a path no study row takes, on compile-only GB200s: each layer matrix's
+    forward GEMM is a block-scaled FP4 dot (7 a layer in the forward loop); no Dgrad or Wgrad
+    is (the backward loop's FP4 dots are the forward's, recomputed where the policy says)."""
+    row = built_as_a_gpu_run("llama8b-offload", ["model.n_layers=2", "quant=nvfp4",
+                                                 "quant_tiles=1x16", "quant_backward=bf16"])
+    loops = layer_loops(parse_module(row.hlo))
+    assert {"fprop": 7} in loops and all(set(gemms) == {"fprop"} for gemms in loops)
 
 
 def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
