@@ -23,7 +23,7 @@ from model import common, families
 from offload import activations
 from runtime import report
 from runtime.data import SyntheticTokens
-from trainer import program as trainer_build
+from trainer import program
 from trainer import step as trainer_step
 from trainer import target as trainer_target
 
@@ -67,8 +67,7 @@ def step_time(model, run, preset: str, repeats: int) -> float:
     optimizer = trainer_step.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     run = dataclasses.replace(run, optimizer_state="device")  # where `state` is made here
-    step = trainer_build.make_step(model, run, tables, None, optimizer,
-                                   trainer_target.this_machine())
+    step = program.make_step(model, run, tables, None, optimizer, trainer_target.this_machine())
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
 
     def one_step():

@@ -21,7 +21,7 @@ from study import jaxpr, placement
 from configs import MESH_AXES, RunConfig
 from model import common, families, quant
 from runtime.placement import tagged_in
-from trainer import program as build
+from trainer import program
 from trainer.step import make_optimizer
 from trainer.target import ANY, forward_options
 
@@ -52,8 +52,8 @@ class TracedStep:
         mesh = AbstractMesh(mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
         self.rules = common.AxisRules(mesh=mesh)
         self.optimizer = make_optimizer(run.optimizer, run.steps)
-        self.state = build.abstract_state(model, run, self.rules, self.optimizer)
-        self.batch = build.abstract_batch(run, self.rules, self.devices)
+        self.state = program.abstract_state(model, run, self.rules, self.optimizer)
+        self.batch = program.abstract_batch(run, self.rules, self.devices)
         # One device's share of the work, unsharded: its activations are what it stores. Under
         # expert parallelism it holds only its own experts.
         self.specs = jax.tree.map(self._own_experts, self.family.param_specs(model))
@@ -78,7 +78,7 @@ class TracedStep:
     def loss(self, tables: dict | None, rules: common.AxisRules | None = None):
         """The loss under `tables` as a function of (params, batch): of the sharded step
         (`rules`), or of one device's share traced alone (no mesh)."""
-        with_aux = build.make_loss(self.model, self.run, tables, rules, target=ANY)
+        with_aux = program.make_loss(self.model, self.run, tables, rules, target=ANY)
         return lambda params, batch: with_aux(params, batch)[0]
 
     @property
@@ -112,7 +112,7 @@ class TracedStep:
     def exported(self, tables: dict | None) -> set[tuple[str, str]]:
         """(scan, tag) of what the sharded step, exported for a GPU, offloads under `tables`
         (checked against the traced program: study/placement.py)."""
-        step = build.make_step(self.model, self.run, tables, self.rules, self.optimizer, ANY)
+        step = program.make_step(self.model, self.run, tables, self.rules, self.optimizer, ANY)
         return placement.verify_offloads(step, self.state, self.batch)
 
     @_traced_once
