@@ -7,7 +7,7 @@ READY := $(VENV)/.ready
 # XLA's GPU compiler (the CUDA plugin and cuDNN, ~2 GB more): for --compile and the tests.
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
-.PHONY: help install install-gpu install-gpu-compile lint test bench step-times list clean
+.PHONY: help install install-gpu install-gpu-compile lint test test-all bench step-times list clean
 
 help:
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
@@ -18,6 +18,7 @@ help:
 	@echo "make llama405b-compare                       the study's four Llama rows, one table"
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite (8 fake CPU devices, GPU programs compiled without a GPU)"
+	@echo "make test-all the suite and its slow tests (every row's full-width GPU compile)"
 	@echo "make bench    proxy step time, FLOP rate vs a matmul ceiling; search and checkpoint costs"
 	@echo "make step-times  the study's rows compiled and replayed, against the study's throughput"
 	@echo "make install  create $(VENV) with the pinned dependencies (make install-gpu: + CUDA)"
@@ -47,8 +48,12 @@ list: $(READY)
 lint: $(READY)
 	$(VENV)/bin/ruff check .
 
-# Two workers: most of the suite's time is single-threaded XLA compilation.
+# Two workers: most of the suite's time is single-threaded XLA compilation. test-all adds the
+# tests marked slow (the other rows' full-width GPU compiles).
 test: lint $(COMPILE_READY)
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow"
+
+test-all: lint $(COMPILE_READY)
 	$(PY) -m pytest -n 2 --dist worksteal
 
 bench: $(READY)

@@ -64,8 +64,19 @@ IN_HOST_MEMORY = {
 # The DeepSeek rows whose memory the study gives compile at full depth and must fit in it.
 # (All rows at full depth: study/compile_table.py, a few minutes here.)
 FULL_DEPTH = {"deepseek671b-offload", "deepseek671b-offload-nolhs"}
-# Latency hiding on and off, the same step otherwise (assert_scheduled).
-LHS_TWINS = {"llama405b-offload": True, "llama405b-offload-nolhs": False}
+# Latency hiding on and off (assert_scheduled).
+LHS_ROWS = {"deepseek671b-offload": True, "deepseek671b-offload-nolhs": False}
+# The rows `make test` compiles: together they show each thing only a GPU compile shows, once
+# (FP4 GEMMs and gathers, LHS on and off, pipelined offload and the same step without the
+# flag, Hopper and the state on host, MLA and the expert exchanges, the study's memory). The
+# other rows' placements are checked on their exported programs (tests/test_invariances.py);
+# their full-width compiles, ~3 minutes more here, run in `make test-all` (marked slow).
+IN_MAKE_TEST = {"llama405b-offload", "llama70b-8xh200", *FULL_DEPTH}
+
+
+def rows(names, compiled=IN_MAKE_TEST) -> list:
+    return [pytest.param(n, marks=[] if n in compiled else pytest.mark.slow)
+            for n in sorted(names)]
 
 
 @functools.cache
@@ -159,7 +170,7 @@ def test_the_experiment_table_is_covered():
     assert set(IN_HOST_MEMORY) == set(configs.EXPERIMENTS)
 
 
-@pytest.mark.parametrize("name", sorted(IN_HOST_MEMORY))
+@pytest.mark.parametrize("name", rows(IN_HOST_MEMORY))
 def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
     """A GPU run's own path up to its first step, on compile-only GPUs, beside the study's
     full-scale plan (traced with kernels every backend has) and placement list: full width,
@@ -199,8 +210,8 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
                                           [d.id for d in row.mesh.devices.flat])["expert"]
         assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
         assert not found["crossing"]
-    if name in LHS_TWINS:
-        assert_scheduled(module, LHS_TWINS[name])
+    if name in LHS_ROWS:
+        assert_scheduled(module, LHS_ROWS[name])
     if name in PIPELINED_ROWS:  # the first layer's fetch issued before the backward loop
         assert set(outside_loops(hlo).values()) == {1}
     elif IN_HOST_MEMORY[name]:  # without the flag every host write is in the forward loop
@@ -407,7 +418,7 @@ def test_compile_command_rejects_bad_input(capsys):
 
 
 def assert_scheduled(module, latency_hiding: bool) -> None:
-    """An LHS row and its no-LHS twin are the same step, one flag apart. With the scheduler,
+    """A row with XLA's latency-hiding scheduler and one without it. With the scheduler,
     most collectives are issued asynchronously with kernels between start and done, and every
     host transfer overlaps kernels; without it XLA runs most collectives in place. (jaxlib
     0.10.2 scheduled both alike: its analytical estimator turned LHS on whatever the flag
@@ -439,7 +450,8 @@ def outside_loops(hlo_text: str) -> collections.Counter:
 PIPELINED_TWINS = {"llama405b-offload-pipelined": "llama405b-offload"}
 
 
-@pytest.mark.parametrize("name", sorted(set(PIPELINED_ROWS) - set(PIPELINED_TWINS)))
+@pytest.mark.parametrize("name", rows(set(PIPELINED_ROWS) - set(PIPELINED_TWINS),
+                                     compiled={"llama70b-8xh200"}))
 def test_without_the_pipelined_flag_every_host_write_is_in_its_loop(name):
     """Each row that sets xla_gpu_enable_pipelined_host_offloading peels one write and one read
     of every offloaded buffer out of the layer loops (the every-row test above); the same step

@@ -17,6 +17,7 @@ from study.traced_step import TracedStep, freeze
 from conftest import (TINY_DEEPSEEK, TINY_LLAMA, assert_trees_close, one_device_params,
                       tokens)
 from model import common, deepseek, llama
+from model.config import LlamaConfig
 from offload import activations
 from trainer.program import make_loss
 from trainer.target import Target
@@ -110,15 +111,19 @@ def test_the_router_bias_gets_no_gradient():
 NEVER_NEEDED = {"mlpwo"}
 EXPORTED = {"llama": ("llama405b-offload", activations.presets_for(llama.SCANS)),
             "deepseek": ("deepseek671b-offload", ["dsv3_offload", "dsv3_device", "remat"])}
+# The rows with their own tag changes over a preset (all Llama rows).
+CHANGED = [e.run for e in configs.EXPERIMENTS.values() if e.run.placement]
 
 
-@pytest.mark.parametrize("name, preset", [(n, p) for n, (_, presets) in EXPORTED.items()
-                                          for p in presets])
-def test_the_exported_program_offloads_exactly_the_table(name, preset):
+@pytest.mark.parametrize("name, preset, changes", [
+    *[(n, p, {}) for n, (_, presets) in EXPORTED.items() for p in presets],
+    *[("llama", run.preset, run.placement) for run in CHANGED]])
+def test_the_exported_program_offloads_exactly_the_table(name, preset, changes):
     """At full scale (the study's mesh of 128) and as the proxy: the step exported for a GPU
-    moves to host exactly the tags its table offloads that the backward pass reads."""
+    moves to host exactly the tags its table offloads that the backward pass reads. (Every
+    row's placement is a preset here, or a row's changes to one.)"""
     family = FAMILIES[name][0]
-    tables = activations.placement(preset, {}, family.SCANS)
+    tables = activations.placement(preset, changes, family.SCANS)
     wanted = {(scan, t) for scan, table in tables.items() for t, p in table.items()
               if p == "offload" and t not in NEVER_NEEDED}
     experiment = configs.get(EXPORTED[name][0])
@@ -129,6 +134,17 @@ def test_the_exported_program_offloads_exactly_the_table(name, preset):
         lines = memory.tag_lines(TracedStep(model, run, mesh), tables)
         assert {(x.value.scan, x.value.tag) for x in lines if x.offloaded} == wanted
         assert {x.value.tag for x in lines if not x.needed} == NEVER_NEEDED
+
+
+def test_every_rows_placement_is_one_exported_above():
+    """(So the rows `make test` does not compile for a GPU still have their placement checked
+    on an exported program: tests/test_gpu_compile.py.)"""
+    exported = {(n, p, ()) for n, (_, presets) in EXPORTED.items() for p in presets}
+    exported |= {("llama", run.preset, tuple(run.placement.items())) for run in CHANGED}
+    for experiment in configs.EXPERIMENTS.values():
+        family = "llama" if isinstance(experiment.model, LlamaConfig) else "deepseek"
+        run = experiment.run
+        assert (family, run.preset, tuple(run.placement.items())) in exported, experiment.name
 
 
 def test_a_mismatch_between_traced_and_exported_placement_is_caught():
