@@ -44,13 +44,12 @@ def train(setup: Setup, target: Target) -> dict | None:
             "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(run),
             "placement": setup.placement})
         batch_size = run.batch(devices)
-        flops = families.of(setup.model).training_flops(setup.model, batch_size / devices,
-                                                        run.seq)
+        flops = families.of(setup.model).training_flops(setup.model, batch_size / devices, run.seq)
         report.print_header(setup, built, batch_size, flops, run_dir, first_step=done + 1)
         log = report.StepLog(setup, built, run_dir, batch_size, flops, first_step=done + 1)
         saver = checkpoints.Saver(run_dir.checkpoints, run.keep, run.checkpoint_every)
         try:
-            last = loop(setup, built, state, done, log, saver, stop)
+            last = loop(setup, built, state, done, batch_size, log, saver, stop)
         finally:
             saver.close()
     if last is None:
@@ -61,13 +60,12 @@ def train(setup: Setup, target: Target) -> dict | None:
     return {**log.summary(), **({"stopped_by": stopped.name} if stopped else {})}
 
 
-def loop(setup: Setup, built, state, done: int, log, saver, stop) -> int | None:
+def loop(setup: Setup, built, state, done: int, batch_size: int, log, saver, stop) -> int | None:
     """Steps done+1.. to the last, or to a stop request: each step dispatched, then the
     previous one's metrics read (the host runs a step ahead), a checkpoint where one is due
     (its step's loss read first: only a finite state is saved), then the stop. The last step
     done, or None when the loss stopped being finite."""
     run, sharding = setup.run, built.rules.sharding(("batch", None))
-    batch_size = run.batch(len(built.target.devices))
     batch = global_batch(setup, done, sharding, batch_size)
     unread = None  # (step, metrics): dispatched, not read yet
     for step in range(done + 1, run.steps + 1):
@@ -90,15 +88,13 @@ def loop(setup: Setup, built, state, done: int, log, saver, stop) -> int | None:
 
 
 def exit_status(summary: dict | None) -> int:
-    """0 done; 1 the loss stopped being finite; 128 + the signal's number when stopped by one
-    (the shell's convention for a process a signal ended)."""
+    """0 done; 1 the loss went non-finite; 128 + the signal's number (the shell's convention)."""
     if summary is None:
         return 1
     return 128 + signal.Signals[summary["stopped_by"]] if "stopped_by" in summary else 0
 
 
 def compare(name: str, args: list[str], target: Target) -> int:
-    """Run each experiment of a comparison, then print one table of them."""
     for key in ("resume", "checkpoint_dir"):
         if any(a.startswith(key + "=") for a in args):
             raise ConfigError(f"{name} runs several experiments: {key}= is for one of them "
@@ -116,8 +112,6 @@ def compare(name: str, args: list[str], target: Target) -> int:
 
 
 def export(argv: list[str]) -> None:
-    """`export CHECKPOINT hf_dir=DIR [dtype=float32|bfloat16]`: the checkpoint's weights as a
-    Hugging Face checkpoint."""
     if not argv or "=" in argv[0]:
         raise ConfigError("usage: python train.py export CHECKPOINT hf_dir=DIR "
                           "[dtype=float32|bfloat16]")
@@ -138,10 +132,6 @@ def list_experiments() -> None:
         print(f"{name:<{width}}  runs {', '.join(members)}; one table")
 
 
-# Modes that moved to the study tools (study/): one line says where.
-MOVED = {"--plan": "plan", "--compile": "compile", "--search": "search"}
-
-
 def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
     """(what to do, the experiment or comparison, its key=value words), or ConfigError for a
     word or flag the command line would otherwise ignore."""
@@ -154,9 +144,9 @@ def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
         raise ConfigError(f"unknown flag {first!r}: the first word names an experiment "
                           "(python train.py --list), export, --list or --help")
     if flags := [a for a in rest if a.startswith("-")]:
-        if flags[0] in MOVED:
+        if flags[0] in ("--plan", "--compile", "--search"):  # modes that moved to study/
             raise ConfigError(f"{flags[0]} is a study tool now: python -m study "
-                              f"{MOVED[flags[0]]} {first} [key=value ...]")
+                              f"{flags[0].removeprefix('--')} {first} [key=value ...]")
         raise ConfigError(f"unknown flag {flags[0]!r}: after the experiment come key=value "
                           "words only")
     return "run", first, rest

@@ -1,7 +1,7 @@
 """Run configs, named experiments, and `key=value` overrides. No JAX import (see model.config).
 
 An experiment is a full-scale model and run (the study's setting) plus a proxy: the same family
-at a size a laptop runs in about a second a step. `scale=auto` picks whichever the machine can run.
+at a size a laptop's CPU trains (docs/runs.md). `scale=auto` picks whichever the machine can run.
 """
 
 import dataclasses
@@ -38,11 +38,9 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards
-    x `expert` shards. Weights are sharded over fsdp x expert, except the routed experts: split
-    over `expert` (E/expert each) and sharded over `fsdp`; tokens over all three. The expert
-    axis is the innermost, so its devices are neighbours (consecutive devices: hosts next to
-    each other, inside one NVLink domain) and the expert exchanges stay among them. fsdp=-1
-    takes all the devices the others leave."""
+    x `expert` shards, the innermost (trainer/program.py's make_mesh). Weights are sharded over
+    fsdp x expert, except the routed experts: split over `expert` (E/expert each) and sharded
+    over `fsdp`; tokens over all three. fsdp=-1 takes all the devices the others leave."""
     data: int = 1
     fsdp: int = -1
     expert: int = 1
@@ -80,9 +78,7 @@ class RunConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     compute_dtype: str = "bfloat16"  # activations and matmuls; weights are cast per layer
     param_dtype: str = "float32"  # master weights and optimizer state
-    # Where the AdamW moments live between steps: device, or host (pinned host memory,
-    # streamed through the device a layer at a time for the update: offload/optimizer_state.py).
-    optimizer_state: str = "device"
+    optimizer_state: str = "device"  # or host: the AdamW moments (offload/optimizer_state.py)
     mesh: MeshConfig = MeshConfig()
     preset: str = "remat"  # a named placement (offload/activations.py), none: no checkpointing
     # placement.<tag>=device|offload|remat (or .<scan>.<tag>), over the preset
@@ -90,8 +86,7 @@ class RunConfig:
     xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
     quant: str = "none"  # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
     quant_tiles: str = "16x16"  # weight block scales per 16x16 tile (TE's recipe) or 1x16 block
-    # fp4: Dgrad and Wgrad in NVFP4 too (TE's recipe); bf16: the forward only (JAX's own).
-    quant_backward: str = "fp4"
+    quant_backward: str = "fp4"  # Dgrad and Wgrad in NVFP4 too (TE's recipe) | bf16 (JAX's)
     data: DataConfig = DataConfig()
     seed: int = 0
     scale: str = "auto"
@@ -109,13 +104,10 @@ class RunConfig:
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
-    # With mesh.expert > 1 (expert parallelism), rows a device may send each expert, as a
-    # multiple of the balanced share; 0: room for the worst case (dropless). Pairs beyond
-    # it are dropped, and counted.
+    # With mesh.expert > 1, rows a device may send each expert, as a multiple of the balanced
+    # share (0: room for the worst case, dropless); pairs beyond it are dropped, and counted.
     expert_capacity: float = 0.0
-    # The loss over this many sequence chunks, each one's logits recomputed in the backward
-    # pass, instead of all [B, T, V] fp32 logits and their gradient at once.
-    loss_chunks: int = 1
+    loss_chunks: int = 1  # the loss in sequence chunks, logits recomputed (trainer/step.py)
     router_bias_rate: float = 0.001  # aux-loss-free balancing step (DeepSeek-V3's gamma)
     balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3: 0.0001)
 
@@ -139,16 +131,9 @@ class Experiment:
 
 
 # What every experiment changes at proxy scale: a short sequence, no mesh axes (a laptop may
-# have one device), and f32, since a CPU has no bf16 matmul units (the run header says so; full
-# scale computes in bf16, as the study did).
+# have one device), and f32, since a CPU has no bf16 matmul units (the run header says so).
 PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
                  loss_chunks=1)
-
-
-def experiment(name: str, summary: str, model: ModelConfig, proxy_model: ModelConfig,
-               run: RunConfig, **run_changes) -> Experiment:
-    return Experiment(name, summary, model, proxy_model, dataclasses.replace(run, **run_changes),
-                      PROXY_RUN)
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
@@ -158,8 +143,10 @@ COMPARISONS: dict[str, tuple[str, ...]] = {}  # name -> experiments run one afte
 STUDY_TFLOPS: dict[str, float] = {}
 
 
-def register(*experiments: Experiment) -> None:
-    EXPERIMENTS.update((e.name, e) for e in experiments)
+def register(name: str, summary: str, model: ModelConfig, proxy_model: ModelConfig,
+             run: RunConfig, **run_changes) -> None:
+    EXPERIMENTS[name] = Experiment(name, summary, model, proxy_model,
+                                   dataclasses.replace(run, **run_changes), PROXY_RUN)
 
 
 class ConfigError(ValueError):
@@ -235,9 +222,7 @@ def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, 
 
 
 # Every numeric field of the run and model configs -> the values it may take (what a special
-# value means in brackets); one out of its range is one line: `router_bias_rate=-0.01 must be
-# >= 0`. The model's own problems() also checks its fields, and how they relate: a field,
-# or its group (model.rope_scaling), that its lines name is not named again.
+# value means in brackets); one out of its range is one line: `router_bias_rate=-0.01 must be >= 0`.
 RANGES = {
     "per_device_batch": ">= 1",
     "global_batch": ">= 0 (0: per_device_batch x devices)",
@@ -319,7 +304,13 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
         found.append(f"data.dtype={run.data.dtype!r}: choose uint16 or uint32")
     if run.loss_chunks >= 1 and run.seq % run.loss_chunks:
         found.append(f"seq={run.seq} is not divisible into loss_chunks={run.loss_chunks}")
-    found += _fp4_backward_problems(run)
+    fp4_backward = run.quant == "nvfp4" and run.quant_backward == "fp4"
+    if fp4_backward and run.quant_tiles != "16x16":
+        found.append("quant_backward=fp4 reuses the forward's quantized weights transposed, which "
+                     f"needs quant_tiles=16x16 (got {run.quant_tiles}; or quant_backward=bf16)")
+    elif fp4_backward and run.seq % 16:
+        found.append("quant_backward=fp4 quantizes the weight gradient's operands in blocks of "
+                     f"16 tokens: seq={run.seq} must be a multiple of 16")
     if run.seq > model.max_position:
         found.append(f"seq={run.seq} is longer than the RoPE table allows "
                      f"(model.max_position={model.max_position})")
@@ -335,18 +326,6 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found += [f"xla_flags.{flag}: XLA flag names start with xla_"
               for flag in run.xla_flags if not flag.startswith("xla_")]
     return found
-
-
-def _fp4_backward_problems(run: RunConfig) -> list[str]:
-    if run.quant != "nvfp4" or run.quant_backward != "fp4":
-        return []
-    if run.quant_tiles != "16x16":
-        return [f"quant_backward=fp4 reuses the forward's quantized weights transposed, which "
-                f"needs quant_tiles=16x16 (got {run.quant_tiles}; or quant_backward=bf16)"]
-    if run.seq % 16:
-        return [f"quant_backward=fp4 quantizes the weight gradient's operands in blocks of 16 "
-                f"tokens: seq={run.seq} must be a multiple of 16"]
-    return []
 
 
 def _expert_problems(model: ModelConfig, run: RunConfig, fsdp: int) -> list[str]:

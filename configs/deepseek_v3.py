@@ -4,7 +4,7 @@ import dataclasses
 from functools import partial
 
 from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, MeshConfig,
-                     RunConfig, experiment, register)
+                     RunConfig, register)
 from model.config import DeepSeekConfig
 
 DEEPSEEK_V3 = DeepSeekConfig(
@@ -14,7 +14,7 @@ DEEPSEEK_V3 = DeepSeekConfig(
     topk_groups=4, routed_scaling=2.5)
 
 # Proxy: the same structure (MLA with q LoRA, a dense first layer, 8 expert groups of which a
-# token uses 4, a shared expert, YaRN), 512 wide, a step of about a second on a CPU. It runs
+# token uses 4, a shared expert, YaRN), 512 wide, small enough for a CPU. It runs
 # with no expert axis (configs.PROXY_RUN): mesh.expert=2 or 4 splits its experts over 8 CPU
 # devices as the full rows do, at several times the cost on CPUs.
 PROXY_V3 = dataclasses.replace(
@@ -23,29 +23,24 @@ PROXY_V3 = dataclasses.replace(
     moe_d_ff=160, n_experts=16, experts_per_token=4)
 
 # The study gives no DeepSeek sequence length: 4096, the model's original context, is assumed.
-# The mesh and the expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs
-# (docs/study.md): FSDP 16 x expert parallelism 8, each expert group's 8 GPUs two NVL72 trays
-# inside one NVLink domain; capacity factor 1.0 (blocks of the balanced share, the surplus
-# dropped and counted in the log). The loss in 8 chunks (docs/model.md: why).
-STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10,
-                     mesh=MeshConfig(data=1, fsdp=16, expert=8), compute_dtype="bfloat16",
-                     preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8,
-                     checkpoint_every=0)
+# The mesh and expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs (docs/study.md):
+# each expert group's 8 GPUs are two NVL72 trays in one NVLink domain; capacity factor 1.0: blocks
+# of the balanced share, the surplus dropped and counted. The loss in 8 chunks (docs/model.md: why).
+STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10, mesh=MeshConfig(fsdp=16, expert=8),
+                     preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8, checkpoint_every=0)
 # A row: its name, summary and what it changes of STUDY_V3.
-_deepseek = partial(experiment, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
+_deepseek = partial(register, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
 
-register(
-    _deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",
-              preset="remat", xla_flags={LHS: "true"}),
-    _deepseek("deepseek671b-offload-nolhs", "row 2: offload, no LHS, no pipelining, mb 8",
-              xla_flags={LHS: "false"}),
-    _deepseek("deepseek671b-offload", "rows 3/5: offload + LHS + pipelined transfers, mb 8, "
-              "global 1024", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
-    _deepseek("deepseek671b-device", "row 4: the same activations saved on device, mb 2, "
-              "global 256", preset="dsv3_device", per_device_batch=2, xla_flags={LHS: "true"}),
-    _deepseek("deepseek671b-device-mb8", "row 4's note: saved on device at mb 8 (the study "
-              "ran out of memory)", preset="dsv3_device", xla_flags={LHS: "true"}),
-)
+_deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",
+          preset="remat", xla_flags={LHS: "true"})
+_deepseek("deepseek671b-offload-nolhs", "row 2: offload, no LHS, no pipelining, mb 8",
+          xla_flags={LHS: "false"})
+_deepseek("deepseek671b-offload", "rows 3/5: offload + LHS + pipelined transfers, mb 8, "
+          "global 1024", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"})
+_deepseek("deepseek671b-device", "row 4: the same activations saved on device, mb 2, "
+          "global 256", preset="dsv3_device", per_device_batch=2, xla_flags={LHS: "true"})
+_deepseek("deepseek671b-device-mb8", "row 4's note: saved on device at mb 8 (the study "
+          "ran out of memory)", preset="dsv3_device", xla_flags={LHS: "true"})
 
 COMPARISONS["deepseek671b-compare"] = ("deepseek671b-remat", "deepseek671b-offload-nolhs",
                                        "deepseek671b-offload", "deepseek671b-device")

@@ -2,8 +2,7 @@
 
 HF linear weights are stored [out, in]; ours are [in, out], with heads split out. Each of our
 parameters is a `Source` built from its family's `hf_tensors` table (hf/save.py reads it too),
-read whole (one process) or only in the slices this process's devices hold (multi-host).
-"""
+read whole (one process) or only in the slices this process's devices hold (multi-host)."""
 
 import dataclasses
 import functools
@@ -22,12 +21,11 @@ from model.common import HfTensor, ParamSpec
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One of our parameters as Hugging Face tensors, read a slice at a time. `names` holds the
-    HF tensor of each stacked entry (layers, then experts): its shape leads `shape`. `n_in` None:
-    a tensor is ours as stored. Else it is [*batch, out, in] (`batch` leading axes: a fused
-    expert axis), HF's linear layout, and becomes ours transposed, [*batch, *ins, *outs]: its in
-    axis split into our next `n_in` axes, its out axis (from row `first_row`: the up half of a
-    fused gate and up) into the rest (heads split out)."""
+    """One of our parameters as Hugging Face tensors, read a slice at a time. `names` holds the HF
+    tensor of each stacked entry (layers, then experts): its shape leads `shape`. With `n_in`, each
+    is HF's linear [*batch, out, in] (`batch` leading axes: a fused expert axis), transposed into
+    ours, [*batch, *ins, *outs]: its in axis split into our next `n_in` axes, its out axis (from row
+    `first_row`: the up half of a fused gate and up) into the rest (heads split out)."""
     names: np.ndarray
     shape: tuple[int, ...]
     n_in: int | None = None
@@ -102,7 +100,6 @@ class Checkpoint:
     sources: dict
 
     def read(self) -> dict:
-        """Every parameter whole, as fp32 numpy arrays."""
         return jax.tree.map(lambda s: s.read(self.reader), self.sources, is_leaf=_is_source)
 
     def arrays(self, shardings, dtype) -> dict:

@@ -1,8 +1,7 @@
 """Read a safetensors checkpoint directory (one file or a sharded index) a slice at a time, so
 each process of a multi-host run reads about its own share (a 405B or 671B import would not fit
 one host's memory whole). Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn, a
-`weight_scale_inv` per 128x128 block) are dequantized on read: converters see float arrays only.
-"""
+`weight_scale_inv` per 128x128 block) are dequantized on read: converters see float arrays only."""
 
 import json
 from pathlib import Path
@@ -68,8 +67,7 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, origin=(0, 0)) -> 
 
 
 class Reader:
-    """The tensors of a checkpoint directory by name, read as float32 slices on demand;
-    `bytes_read` counts the bytes taken from the files (in their stored dtypes)."""
+    """A checkpoint directory's tensors, read as float32 slices; `bytes_read`: bytes as stored."""
 
     def __init__(self, directory: Path):
         self.files, self.shapes, self.dtypes = {}, {}, {}
@@ -95,19 +93,18 @@ class Reader:
         """tensor[index] as float32; `index`: one unit-step slice per axis, or () for all."""
         index = unit_slices(index, self.shapes[name])
         raw = self._raw(name, index)
-        self.bytes_read += raw.nbytes
         if name + SCALE_SUFFIX not in self.files:
             return np.asarray(raw, np.float32)
         blocks = tuple(slice(s.start // FP8_BLOCK, -(-s.stop // FP8_BLOCK)) for s in index)
         scale = self._raw(name + SCALE_SUFFIX, blocks)
-        self.bytes_read += scale.nbytes
         return dequantize_fp8(raw, scale, (index[0].start, index[1].start))
 
     def _raw(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         file, handle = self.files[name]
-        if self.dtypes[name] != "F8_E4M3":
-            return handle.get_slice(name)[index]
-        return self._fp8(file, name)[index]
+        fp8 = self.dtypes[name] == "F8_E4M3"
+        raw = self._fp8(file, name)[index] if fp8 else handle.get_slice(name)[index]
+        self.bytes_read += raw.nbytes
+        return raw
 
     def _fp8(self, file: Path, name: str) -> np.ndarray:
         """An FP8 E4M3 tensor (safetensors 0.8 has no numpy FP8 dtype) mapped straight from

@@ -2,8 +2,7 @@
 
 Routed experts are written one tensor per expert (`experts.{e}.gate_proj.weight`), the layout
 of the released DeepSeek-V3 checkpoint, which transformers converts on load. Big models are
-split into files of at most `shard_bytes`, with the index transformers reads.
-"""
+split into files of at most `shard_bytes`, with the index transformers reads."""
 
 import json
 import math
@@ -22,14 +21,12 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 def _hf_layout(array: np.ndarray, hf: HfTensor) -> np.ndarray:
-    """A linear layer's [*in, *out] weight as HF's [out, in] (its first `hf.n_in` axes are the
-    input); any other tensor as it is."""
+    """A linear layer's [*in, *out] weight as HF's [out, in]; any other tensor as it is."""
     return array.reshape(math.prod(array.shape[:hf.n_in]), -1).T if hf.linear else array
 
 
 def hf_tensors(params: dict, cfg) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array in HF's layout) for every weight, layer by layer, by the family's table;
-    a stacked expert axis as one tensor per expert."""
+    """(HF name, array in HF's layout) for every weight, layer by layer, by the family's table."""
     family = families.of(cfg)
     specs, names = family.param_specs(cfg), family.hf_tensors(cfg)
     for key, spec in specs.items():
@@ -46,8 +43,7 @@ def hf_tensors(params: dict, cfg) -> Iterator[tuple[str, np.ndarray]]:
 
 def write_checkpoint(directory: Path, cfg, params: dict,
                      dtype: str = "float32", shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """config.json and the weights, one file or `model-0000k-of-0000n` files and their index.
-    Files are written as each fills, so host memory holds the parameters and one file."""
+    """config.json and the weights, each file written once full, so memory holds one at a time."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(to_hf(cfg, dtype), indent=2))
     shards, current, size = [], {}, 0

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
-
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
@@ -25,11 +24,9 @@ class AxisRules:
     Model code names what an axis *is* (batch, embed, heads); only this table says which mesh
     axis shards it, so a new parallelism is one edited default, not edits across the model.
     FSDP: weights are sharded along `embed`, activations along `batch`, over the same devices.
-    Expert parallelism: the routed experts split over `expert` (each device computes E/N of
-    them, exchanging tokens with the other devices of its expert group) and FSDP-sharded over
-    `fsdp`; every other weight is sharded over both. A mesh may leave out an axis it does not
-    split (a mesh of data x fsdp is expert parallelism of 1).
-    """
+    Expert parallelism (`experts`, `exchange`): the routed experts split over `expert` and
+    FSDP-sharded over `fsdp`; every other weight is sharded over both. A mesh may leave out an
+    axis it does not split (a mesh of data x fsdp is expert parallelism of 1)."""
     batch: MeshAxes = ("data", "fsdp", "expert")
     seq: MeshAxes = None
     embed: MeshAxes = ("fsdp", "expert")
@@ -70,15 +67,13 @@ class AxisRules:
 
 
 def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:
-    """A mesh over the first prod(shape) of `devices` (all by default) in their order, its axes
-    all Auto: XLA propagates shardings from the hints we give."""
+    """The first prod(shape) `devices` (default all), axes Auto: XLA propagates our hints."""
     devices = np.asarray(jax.devices() if devices is None else devices, dtype=object)
     return Mesh(devices[:math.prod(shape)].reshape(shape), names,
                 axis_types=(AxisType.Auto,) * len(names))
 
 
 def constrain(x: jax.Array, rules: AxisRules | None, logical: tuple[str | None, ...]):
-    """Sharding hint for an activation; no-op without rules."""
     return x if rules is None else jax.lax.with_sharding_constraint(x, rules.sharding(logical))
 
 
@@ -93,12 +88,11 @@ class ParamSpec:
 @dataclasses.dataclass(frozen=True)
 class HfTensor:
     """Where a parameter lies in a Hugging Face checkpoint. `name` holds {layer} and {expert}
-    for the indices of a stacked entry (the HF layer number is `first_layer` + ours). A
-    `linear` weight is stored [out, in]: ours is it transposed, its in axis split into our
-    first `n_in` axes (after the stacked ones), its out axis into the rest. `fused` names the
-    tensor that holds every routed expert's weight at once, [experts, rows, in] (as
-    transformers keeps them in memory), and which of its equal row blocks is ours; `tied`, the
-    tensor read when `name` is absent (tied embeddings)."""
+    for a stacked entry's indices (the HF layer number is `first_layer` + ours). A `linear`
+    weight is stored [out, in]: ours is it transposed, its in axis split into our first `n_in`
+    axes (after the stacked ones), its out axis into the rest. `fused` names the tensor holding
+    every routed expert's weight at once, [experts, rows, in] (as transformers keeps them), and
+    which of its equal row blocks is ours; `tied`, the tensor read when `name` is absent."""
     name: str
     linear: bool = False
     n_in: int = 1
@@ -121,7 +115,6 @@ def hf_swiglu(prefix: str, first: int = 0) -> dict:
 
 
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
-    """The same parameter for n layers, stacked on a leading `layers` axis (scanned over)."""
     return ParamSpec((n, *spec.shape), ("layers", *spec.axes), spec.std)
 
 
@@ -207,8 +200,7 @@ def yarn_attention_factor(yarn: YarnScaling) -> float:
 
 
 def rope_tables(seq_len: int, freqs: np.ndarray, dtype, factor: float = 1.0):
-    """cos and sin [T, H] in the rotate-half layout (the H/2 frequencies twice), angles in fp32,
-    times `factor` (YaRN's attention factor), then cast to the compute dtype."""
+    """cos and sin [T, H], the H/2 frequencies twice (rotate-half), times YaRN's `factor`."""
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return (jnp.cos(angles) * factor).astype(dtype), (jnp.sin(angles) * factor).astype(dtype)
@@ -223,13 +215,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None,
                      implementation: str | None = None):
-    """softmax(q k^T * scale) v with a causal mask (scale 1/sqrt(H) by default); q [B,T,N,H],
-    k [B,S,K,H], v [B,S,K,H'] with H' <= H. Query head n reads kv head n // (N/K), Hugging
-    Face's repeat-interleave GQA mapping; the softmax runs in fp32. `implementation="cudnn"`
-    (GPUs, bf16) is cuDNN's fused flash kernel, which never stores the [B, N, T, S] scores and
-    takes a narrower v as it is (MLA: 192 for q and k, 128 for v). None is XLA's reference path
-    (JAX 0.12 does not pick cuDNN by itself); it wants one head dim, so a narrower v is padded
-    with zero columns there, whose outputs are zero and sliced off."""
+    """softmax(q k^T * scale) v, causal (scale 1/sqrt(H) by default); q [B,T,N,H], k [B,S,K,H],
+    v [B,S,K,H'] with H' <= H. Query head n reads kv head n // (N/K), Hugging Face's
+    repeat-interleave GQA mapping; the softmax runs in fp32. `implementation="cudnn"` (GPUs,
+    bf16) is cuDNN's fused flash kernel, which never stores the [B, N, T, S] scores and takes a
+    narrower v as it is (MLA: 192 for q and k, 128 for v). None is XLA's reference path (JAX
+    0.12 does not pick cuDNN by itself), which wants one head dim: a narrower v is zero-padded."""
     if implementation == "cudnn":
         # JAX 0.12's public dot_product_attention refuses H' != H before reaching this
         # kernel, which supports it (cuDNN >= 9.10 on Hopper and later).
@@ -251,10 +242,9 @@ def quantizable(name: str, ndim: int, unquantized=()) -> bool:
 
 def layer_weights(w: dict, dtype, quantization: quant.Quantization | None, unquantized=(),
                   key: jax.Array | None = None, rules: AxisRules | None = None):
-    """A layer's weights as its forward uses them: in the compute dtype and, under
-    `quantization`, its matrices (but those named in `unquantized`) marked for NVFP4, each
-    with its own share of the layer's `key` (the rounding bits of an FP4 backward) and, with
-    `rules`, gathered whole (replicated) as FP4 codes."""
+    """A layer's weights in the compute dtype, its `quantizable` matrices marked for NVFP4 under
+    `quantization`, each with its own share of the layer's `key` (an FP4 backward's rounding
+    bits) and, given `rules`, gathered whole (replicated) as FP4 codes."""
     gathered = None if rules is None else rules.sharding(())
 
     def prepare(index: int, name: str, a: jax.Array):
@@ -275,7 +265,6 @@ def layer_keys(key: jax.Array | None, quantization: quant.Quantization | None, l
 
 
 def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
-    """x times a weight, as `jnp.einsum`; a weight marked NVFP4 goes through `fp4.einsum`."""
     if not isinstance(w, quant.NVFP4Weight):
         return jnp.einsum(subscripts, x, w)
     return fp4.einsum(subscripts, x, w.value, w.key, w.quantization, w.gathered)

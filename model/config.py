@@ -59,8 +59,7 @@ class YarnScaling:
 
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig:
-    """A DeepSeek-V3-style decoder: MLA attention, dense MLP in the first layers, then MoE.
-    Letters as in the README glossary, plus R (LoRA ranks), E (routed experts)."""
+    """A DeepSeek-V3-style decoder: MLA, dense then MoE layers. Letters as in the README."""
     vocab: int  # V
     d_model: int  # D
     n_layers: int  # L, dense and MoE together

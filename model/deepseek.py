@@ -2,8 +2,7 @@
 layer, a dense SwiGLU in the first `n_dense_layers`, routed + shared experts after; the dense
 and the MoE layers are two scans, each with its own checkpoint policy.
 
-Letters: B batch, T sequence, D d_model, N heads, R LoRA rank, E routed experts, F MLP width,
-V vocab. Tags use MaxText's names and positions. The family's parts as in model/llama.py.
+Letters as in the README; tags use MaxText's names and positions.
 """
 
 import math
@@ -24,9 +23,8 @@ from model.experts import EXPERT_PATHS, ExpertParallel, experts_exchanged
 from model.quant import Quantization
 
 CONFIG = DeepSeekConfig
-# The two layer scans and their tags in layer order (the only lists; the tests check them
-# against the traced model). The MoE layer's shared expert is a SwiGLU (mlpwi_*); the routed
-# experts are moe_mlpwi_*.
+# The layer scans and their tags in layer order (the only lists, checked against the traced
+# model); the MoE layer's shared expert is a SwiGLU (mlpwi_*), its routed experts moe_mlpwi_*.
 _MLA_TAGS = ("decoder_layer_input", "query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv",
              "query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
 SCANS = {"dense_layers": (*_MLA_TAGS, "mlpwi_0", "mlpwi_1", "mlpwo"),
@@ -45,43 +43,36 @@ def _attention_specs(cfg: DeepSeekConfig) -> dict:
         query = {"wq_a": ParamSpec((D, Q), ("embed", "latent"), D**-0.5),
                  "q_norm": ParamSpec((Q,), ("latent",)),
                  "wq_b": ParamSpec((Q, N, qk), ("lora", "heads", "head_dim"), Q**-0.5)}
-    return {
-        "attn_norm": ParamSpec((D,), ("embed",)),
-        **query,
-        "wkv_a": ParamSpec((D, R + cfg.qk_rope_dim), ("embed", "latent"), D**-0.5),
-        "kv_norm": ParamSpec((R,), ("latent",)),
-        "wkv_b": ParamSpec((R, N, cfg.qk_nope_dim + cfg.v_head_dim),
-                           ("lora", "heads", "head_dim"), R**-0.5),
-        "wo": ParamSpec((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"),
-                        (N * cfg.v_head_dim) ** -0.5),
-        "mlp_norm": ParamSpec((D,), ("embed",)),
-    }
+    return {"attn_norm": ParamSpec((D,), ("embed",)), **query,
+            "wkv_a": ParamSpec((D, R + cfg.qk_rope_dim), ("embed", "latent"), D**-0.5),
+            "kv_norm": ParamSpec((R,), ("latent",)),
+            "wkv_b": ParamSpec((R, N, cfg.qk_nope_dim + cfg.v_head_dim),
+                               ("lora", "heads", "head_dim"), R**-0.5),
+            "wo": ParamSpec((N, cfg.v_head_dim, D), ("heads", "head_dim", "embed"),
+                            (N * cfg.v_head_dim) ** -0.5),
+            "mlp_norm": ParamSpec((D,), ("embed",))}
 
 
 def _moe_specs(cfg: DeepSeekConfig) -> dict:
     D, E, F = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
-    return {
-        # The router is small and every device routes its own tokens: not sharded by expert.
-        "router": ParamSpec((D, E), ("embed", None), D**-0.5),
-        "router_bias": ParamSpec((E,), (None,), 0.0),  # selection only; no gradient
-        "we_gate": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
-        "we_up": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
-        "we_down": ParamSpec((E, F, D), ("experts", "mlp", "expert_embed"), F**-0.5),
-        **swiglu_specs(D, cfg.n_shared_experts * F),  # the shared experts, as one SwiGLU
-    }
+    # The router is small and every device routes its own tokens: not sharded by expert.
+    return {"router": ParamSpec((D, E), ("embed", None), D**-0.5),
+            "router_bias": ParamSpec((E,), (None,), 0.0),  # selection only; no gradient
+            "we_gate": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
+            "we_up": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
+            "we_down": ParamSpec((E, F, D), ("experts", "mlp", "expert_embed"), F**-0.5),
+            **swiglu_specs(D, cfg.n_shared_experts * F)}  # the shared experts, as one SwiGLU
 
 
 def param_specs(cfg: DeepSeekConfig) -> dict:
     D, V = cfg.d_model, cfg.vocab
     dense = {**_attention_specs(cfg), **swiglu_specs(D, cfg.d_ff)}
     moe = {**_attention_specs(cfg), **_moe_specs(cfg)}
-    return {
-        "embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
-        "dense_layers": {k: stack(s, cfg.n_dense_layers) for k, s in dense.items()},
-        "moe_layers": {k: stack(s, cfg.n_moe_layers) for k, s in moe.items()},
-        "final_norm": ParamSpec((D,), ("embed",)),
-        "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5),
-    }
+    return {"embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
+            "dense_layers": {k: stack(s, cfg.n_dense_layers) for k, s in dense.items()},
+            "moe_layers": {k: stack(s, cfg.n_moe_layers) for k, s in moe.items()},
+            "final_norm": ParamSpec((D,), ("embed",)),
+            "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5)}
 
 
 def softmax_scale(cfg: DeepSeekConfig) -> float:
@@ -214,8 +205,7 @@ def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = N
 def block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None, expert_path=None,
           parallel=None):
     """One layer, x [B, T, D] -> (x', stats): MLA, then a dense SwiGLU (stats None) or, given an
-    `expert_path`, the MoE (stats {"expert_load": token counts [E], "balance_loss": scalar,
-    "expert_dropped": pairs per expert [E]})."""
+    `expert_path`, the MoE (stats as `moe` gives them)."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
@@ -241,16 +231,11 @@ def trunk(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
           dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
           expert_parallel: ExpertParallel | None = None,
           quantization: Quantization | None = None, key: jax.Array | None = None):
-    """The decoder trunk (embedding, then the layers): tokens [B, T] -> (the last layer's
-    output [B, T, D], before the final norm; per MoE layer {"expert_load": tokens per expert
-    [L_moe, E], "balance_loss": [L_moe], "expert_dropped": [L_moe, E]}).
-
-    `policies` maps a scan (SCANS) to the `jax.checkpoint` policy of each of its layers.
-    `expert_parallel` splits the routed experts over the devices of the `exchange` axis.
-    `quantization` multiplies the attention, dense-MLP and shared-expert matrices in NVFP4;
-    the router and the routed experts (grouped GEMMs, as in MaxText's TE path) stay as they
-    are; `key` draws an FP4 backward's rounding bits.
-    """
+    """The decoder trunk, options as `llama.trunk`'s: tokens [B, T] -> (the last layer's output
+    [B, T, D], before the final norm; `moe`'s statistics of each MoE layer, stacked [L_moe, ...]).
+    `policies` maps a scan (SCANS) to its layers' checkpoint policy; `expert_parallel` splits
+    the routed experts over the devices of the `exchange` axis; `quantization` leaves the router
+    and the routed experts (grouped GEMMs, as in MaxText's TE path) out of NVFP4."""
     cos, sin = rope_for(cfg, tokens.shape[1], dtype)
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
                   ("batch", "seq", None))

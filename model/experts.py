@@ -1,9 +1,7 @@
 """Routed experts on one device's tokens: every expert densely, sorted grouped GEMMs, or
 split over the devices of one mesh axis (expert parallelism) with a fixed-size block per
-expert, exchanged by all-to-alls inside that axis.
-
-Letters: S tokens, D d_model, F expert MLP width, E experts, k experts per token; under
-expert parallelism P devices, C rows per block, l a device's own experts.
+expert, exchanged by all-to-alls inside that axis. Letters: docs/model.md (S a device's tokens,
+P devices, C rows per block, l a device's own experts).
 """
 
 import dataclasses
@@ -17,7 +15,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 
 def _swiglu(rows, w, project_in, project_out):
-    """The experts' SwiGLU on `rows`, tagged, by the GEMMs `project_in` and `project_out`."""
     gate = checkpoint_name(project_in(rows, w["we_gate"]), "moe_mlpwi_0")
     up = checkpoint_name(project_in(rows, w["we_up"]), "moe_mlpwi_1")
     return checkpoint_name(project_out(jax.nn.silu(gate) * up, w["we_down"]), "moe_mlpwo")
@@ -50,12 +47,10 @@ EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Routed experts split over `devices` devices, E/devices each. Every device sends its
-    (token, expert) pairs, in one fixed-size block per expert, to the devices holding those
-    experts and gets the outputs back (two all-to-alls); a device runs each of its experts
-    as one dense GEMM over its blocks. `capacity` sizes a block as a multiple of the balanced
-    share S*k/E of a device's S tokens; 0 sizes it for the worst case, S rows (every token
-    choosing that expert): dropless whatever the routing, at E/k times the memory."""
+    """Routed experts split over `devices` devices, E/devices each, each expert one dense GEMM
+    over the blocks it receives. `capacity` sizes a block as a multiple of the balanced share
+    S*k/E of a device's S tokens; 0 sizes it for the worst case, S rows (every token choosing
+    that expert): dropless whatever the routing, at E/k times the memory."""
     devices: int
     capacity: float = 0.0
 

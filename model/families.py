@@ -1,6 +1,6 @@
-"""The model families: each one module (model/llama.py, model/deepseek.py) with its config
-class, layer scans and their tags, parameters, forward, FLOP count and Hugging Face names;
-found here by its config."""
+"""The model families, one module each (model/llama.py, model/deepseek.py), found by its config.
+A family has CONFIG (its config class), SCANS (its layer scans and their tags), UNQUANTIZED,
+param_specs, trunk, forward, training_flops and hf_tensors (its Hugging Face names)."""
 
 from model import deepseek, llama
 
@@ -8,10 +8,8 @@ FAMILIES = (llama, deepseek)
 
 
 def of(cfg):
-    """The family module of a model config."""
     return next(family for family in FAMILIES if isinstance(cfg, family.CONFIG))
 
 
 def scan_tags(cfg) -> dict[str, tuple[str, ...]]:
-    """Layer scan -> its tags, for a model config."""
     return of(cfg).SCANS

@@ -1,10 +1,5 @@
-"""A layer matrix's GEMMs in NVFP4, on model/quant.py's encoding: Transformer Engine's
-training recipe (`NVFP4BlockScaling`), or its forward alone. Rules and sources: docs/model.md.
-
-Fprop, Dgrad and Wgrad of a linear layer all take FP4 operands: activations in 1x16 blocks,
-the weight in 16x16 tiles (so its transpose is the same values), gradients rounded
-stochastically, the weight gradient's operands first rotated by a 16-point random Hadamard
-transform along the tokens.
+"""A layer matrix's GEMMs in NVFP4 on model/quant.py's encoding: Transformer Engine's training
+recipe (`NVFP4BlockScaling`, see `matmul`), or its forward alone. Rules and sources: docs/model.md.
 """
 
 import dataclasses
@@ -33,9 +28,8 @@ def hadamard_matrix(signs=HADAMARD_SIGNS) -> np.ndarray:
 
 
 def hadamard(x: jax.Array, axis: int) -> jax.Array:
-    """x rotated by `hadamard_matrix` along `axis`, 16 elements at a time: a GEMM with a
-    contraction of 16, accumulated in f32, in x's dtype (what the quantization then reads:
-    XLA keeps no f32 copy of it)."""
+    """x rotated by `hadamard_matrix` along `axis`, 16 elements at a time, accumulated in f32,
+    in x's dtype (what the quantization then reads: XLA keeps no f32 copy of it)."""
     rotated = jnp.einsum("...s,hs->...h", jnp.moveaxis(split_blocks(x, axis), axis + 1, -1),
                          jnp.asarray(hadamard_matrix(), x.dtype),
                          preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
@@ -43,7 +37,6 @@ def hadamard(x: jax.Array, axis: int) -> jax.Array:
 
 
 def transposed(q: NVFP4Tensor) -> NVFP4Tensor:
-    """A 2-D quantized matrix as its transpose: the same codes and scales, transposed."""
     return dataclasses.replace(q, codes=q.codes.T, block_scales=q.block_scales.T,
                                axis=1 - q.axis)
 
@@ -57,18 +50,16 @@ def tiles(q: NVFP4Tensor) -> jax.Array:
 def tiled(codes: jax.Array, tile_scales: jax.Array, tensor_scale: jax.Array,
           axis: int) -> NVFP4Tensor:
     """A 2-D matrix of 16x16 tiles (codes [R, C], scales [R/16, C/16]) with its blocks along
-    `axis`: each tile's scale serves both ways, so the same codes multiply as the matrix or,
-    transposed, as its transpose (TE's point of 2-D weight scaling)."""
+    `axis`: a tile's scale serves both ways, so the codes transposed multiply as its transpose."""
     return NVFP4Tensor(codes, jnp.repeat(tile_scales, BLOCK, axis=1 - axis), tensor_scale, axis)
 
 
 def block_scaled_matmul(a: NVFP4Tensor, b: NVFP4Tensor, path: str, dtype) -> jax.Array:
-    """a [R, K] times b [C, K] transposed -> [R, C] in `dtype`, both 16-blocks along K.
-    "scaled": Blackwell's block-scaled GEMM (cuDNN) on codes and block scales; "dequantize":
-    codes times block scales in `dtype` (exact: an E2M1 code times an E4M3 scale has at most 6
-    significant bits), then an ordinary GEMM: the same numbers, on any backend. Both accumulate
-    in f32 and round to `dtype` (the GEMM's output stays [R, C] in the compute dtype, never
-    f32), then the tensor scales multiply, in f32 (XLA fuses that into the consumer)."""
+    """a [R, K] times b [C, K] transposed -> [R, C] in `dtype`, both 16-blocks along K, by
+    `path` (`Quantization`; dequantizing is exact: an E2M1 code times an E4M3 scale has at most
+    6 significant bits). Both accumulate in f32 and round to `dtype` (the GEMM's output stays
+    [R, C] in the compute dtype, never f32), then the tensor scales multiply, in f32 (XLA fuses
+    that into the consumer)."""
     if a.axis != 1 or b.axis != 1:
         raise ValueError("block_scaled_matmul takes operands blocked along their last axis")
     if path == "scaled":
@@ -155,9 +146,8 @@ def _backward(recipe, gathered, residuals, dy):
     dgrad_bits, wgrad_bits = rounding_bits(key, dy.shape)
     encode = partial(quantize, axis=1, codes_dtype=_codes_dtype(recipe.path, x.dtype))
     with jax.named_scope("fp4_dgrad"):
-        dx = block_scaled_matmul(encode(dy, bits=dgrad_bits),
-                                 tiled(codes, scales, tensor_scale, axis=1), recipe.path,
-                                 x.dtype)
+        w = tiled(codes, scales, tensor_scale, axis=1)
+        dx = block_scaled_matmul(encode(dy, bits=dgrad_bits), w, recipe.path, x.dtype)
     with jax.named_scope("fp4_wgrad"):
         # Quantized along the tokens as they lie, then the codes transposed: no bf16 copy.
         x_cols = transposed(encode(hadamard(x, 0), axis=0))

@@ -3,10 +3,6 @@
 Letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff,
 V vocab, L layers. Tags (`checkpoint_name`) use MaxText's names and positions, so a
 checkpoint policy can keep, offload or recompute each tensor by name.
-
-The family's parts that the rest of the trainer reads (found through `model.families`):
-CONFIG, SCANS (its layer scans and their tags), UNQUANTIZED, param_specs, trunk, forward,
-training_flops and hf_tensors (its Hugging Face names).
 """
 
 import jax
@@ -30,21 +26,17 @@ UNQUANTIZED = ()  # quant=nvfp4 multiplies every layer matrix in NVFP4
 
 def param_specs(cfg: LlamaConfig) -> dict:
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab
-    layer = {
-        "attn_norm": ParamSpec((D,), ("embed",)),
-        "wq": ParamSpec((D, N, H), ("embed", "heads", "head_dim"), D**-0.5),
-        "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
-        "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
-        "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed"), (N * H) ** -0.5),
-        "mlp_norm": ParamSpec((D,), ("embed",)),
-        **swiglu_specs(D, F),
-    }
-    return {
-        "embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
-        "layers": {name: stack(spec, cfg.n_layers) for name, spec in layer.items()},
-        "final_norm": ParamSpec((D,), ("embed",)),
-        "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5),
-    }
+    layer = {"attn_norm": ParamSpec((D,), ("embed",)),
+             "wq": ParamSpec((D, N, H), ("embed", "heads", "head_dim"), D**-0.5),
+             "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
+             "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), D**-0.5),
+             "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed"), (N * H) ** -0.5),
+             "mlp_norm": ParamSpec((D,), ("embed",)),
+             **swiglu_specs(D, F)}
+    return {"embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
+            "layers": {name: stack(spec, cfg.n_layers) for name, spec in layer.items()},
+            "final_norm": ParamSpec((D,), ("embed",)),
+            "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5)}
 
 
 def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, attention=None):
@@ -74,14 +66,11 @@ def trunk(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules |
           dtype=jnp.bfloat16, attention: str | None = None,
           quantization: Quantization | None = None, key: jax.Array | None = None):
     """The decoder trunk (embedding, then the layers): tokens [B, T] int -> (the last layer's
-    output [B, T, D], before the final norm; {}).
-
-    `policies` maps a scan ("layers") to the `jax.checkpoint` policy of each of its layers;
-    none means no checkpointing (every residual autodiff wants is kept). Weights are cast to
+    output [B, T, D], before the final norm; {}). `policies` maps a scan ("layers") to the
+    `jax.checkpoint` policy of each of its layers (none: no checkpointing). Weights are cast to
     `dtype` (the compute dtype) per layer and, under `quantization`, its matrices multiplied in
     NVFP4 (embeddings and LM head stay as they are), `key` drawing an FP4 backward's rounding
-    bits. `attention` picks the attention kernel (`causal_attention`).
-    """
+    bits. `attention` picks the attention kernel (`causal_attention`)."""
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)
     x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
@@ -107,15 +96,13 @@ def forward(params, tokens, cfg: LlamaConfig, **options):
 
 def hf_tensors(cfg: LlamaConfig) -> dict:
     """Each parameter's tensor in a Hugging Face `LlamaForCausalLM` checkpoint."""
-    return {
-        "embed": HfTensor("model.embed_tokens.weight"),
-        "layers": {"attn_norm": hf_layer("input_layernorm"),
-                   **{f"w{x}": hf_layer(f"self_attn.{x}_proj", 1) for x in "qkv"},
-                   "wo": hf_layer("self_attn.o_proj", 2),
-                   "mlp_norm": hf_layer("post_attention_layernorm"), **hf_swiglu("mlp.")},
-        "final_norm": HfTensor("model.norm.weight"),
-        "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight"),
-    }
+    return {"embed": HfTensor("model.embed_tokens.weight"),
+            "layers": {"attn_norm": hf_layer("input_layernorm"),
+                       **{f"w{x}": hf_layer(f"self_attn.{x}_proj", 1) for x in "qkv"},
+                       "wo": hf_layer("self_attn.o_proj", 2),
+                       "mlp_norm": hf_layer("post_attention_layernorm"), **hf_swiglu("mlp.")},
+            "final_norm": HfTensor("model.norm.weight"),
+            "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight")}
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:

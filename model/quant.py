@@ -5,10 +5,9 @@ The encoding is Transformer Engine's quantize kernel (`core_nvfp4.cuh`), in FP32
   S_enc = 2688 / amax (448 * 6: the largest E4M3 scale times the largest E2M1 code),
   block scale = e4m3(min(block_amax * (S_enc * (1/6)), 448)), rounded to nearest even,
   code = e2m1(clip(x * min(1 / (block scale * S_dec), FLT_MAX), -6, 6)), S_dec = 1 / S_enc,
-so x ~ code * block scale * S_dec. Blocks run along the contraction axis (`axis`), because
-a block-scaled GEMM multiplies 16-element slices of K. TE's weight recipe takes one scale per
-16x16 tile (`two_d`), so that W and W^T quantize to the same values. Gradients round their
-codes stochastically (`bits`). Rules and sources: docs/model.md.
+so x ~ code * block scale * S_dec. Blocks run along the contraction axis (`axis`), because a
+block-scaled GEMM multiplies 16-element slices of K. TE's weight recipe takes one scale per 16x16
+tile (`two_d`), so that W and W^T quantize to the same values. Rules and sources: docs/model.md.
 """
 
 import dataclasses
@@ -34,8 +33,8 @@ class Quantization:
     """How a model's layer matrices are multiplied in NVFP4 (model/fp4.py). `backward` "fp4":
     all three GEMMs in NVFP4 (Transformer Engine's recipe; needs `two_d`, 16x16 weight
     tiles); "bf16": the forward only, the backward in the compute dtype. `path` "scaled":
-    Blackwell's block-scaled GEMM; "dequantize": codes times scales, then an ordinary GEMM in
-    the compute dtype (any backend, the same values)."""
+    Blackwell's block-scaled GEMM (cuDNN); "dequantize": codes times scales, then an ordinary
+    GEMM in the compute dtype (any backend, the same values)."""
     path: str = "dequantize"
     two_d: bool = True
     backward: str = "fp4"
@@ -118,10 +117,9 @@ def round_nearest(v: jax.Array) -> jax.Array:
 
 
 def round_stochastic(v: jax.Array, bits: jax.Array) -> jax.Array:
-    """v (f32, within [-6, 6]) onto the E2M1 grid, rounded away from zero with probability
-    (|v| - lo) / (hi - lo) between its neighbours lo <= |v| <= hi, so unbiased: up where
-    the top 24 of the uint32 `bits`, as a fraction of 2**24, fall below that probability.
-    (The same distribution as PTX's cvt.rs, not its use of the bits.)"""
+    """v (f32, within [-6, 6]) onto the E2M1 grid, unbiased: between its neighbours
+    lo <= |v| <= hi, away from zero with probability (|v| - lo) / (hi - lo), drawn from the top
+    24 of the uint32 `bits` (PTX's cvt.rs distribution, not its use of the bits)."""
     magnitude = jnp.abs(v)
     step = _e2m1_step(magnitude)
     low = jnp.floor(magnitude / step) * step
@@ -160,7 +158,6 @@ def quantize(w: jax.Array, axis: int, two_d: bool = False, bits: jax.Array | Non
 
 
 def dequantize(q: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
-    """codes * block scale * tensor scale, in f32, then cast to `dtype`."""
     codes = split_blocks(q.codes.astype(jnp.float32), q.axis)
     scales = jnp.expand_dims(q.block_scales.astype(jnp.float32), q.axis + 1)
     return (codes * scales * q.tensor_scale).reshape(q.codes.shape).astype(dtype)

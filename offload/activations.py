@@ -19,32 +19,32 @@ PLACEMENTS = ("device", "offload", "remat")
 # list their tags (model/llama.py, model/deepseek.py), this one first.
 LAYER_INPUT = "decoder_layer_input"
 
-# Named placements. A flat one applies to every scan that has the tag; one of tables is per
-# scan. "none" is not a placement: it turns checkpointing off (autodiff keeps everything).
-PRESETS: dict[str, dict] = {
-    "remat": {},
-    "minimal": {t: "device" for t in ("query_proj", "key_proj", "value_proj", "out_proj",
-                                      "mlpwi_0", "mlpwi_1", "mlpwo")},
-    "qkv_offload": {t: "offload" for t in ("query_proj", "key_proj", "value_proj")},
-    "minimal_offloaded": {t: "offload" for t in ("query_proj", "key_proj", "value_proj",
-                                                 "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")},
-}
+_QKV = ("query_proj", "key_proj", "value_proj")
+_MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 # DeepSeek-V3's rows (docs/study.md names the sources). Offloaded, in the study's words:
 # "selected MLA query and key/value projection intermediates" (the latents' down-projections,
 # as MaxText names them) and "MoE up projection intermediates" (the routed experts'); in the
 # dense layers "MLP up and down projection outputs". Every other tag is recomputed, as
 # MaxText's custom policy does for each name its config leaves at the default.
-_DSV3 = {"dense_layers": ("mlpwi_0", "mlpwi_1", "mlpwo"),
-         "moe_layers": ("query_wa_proj", "kv_wa_proj", "moe_mlpwi_0", "moe_mlpwi_1")}
-PRESETS["dsv3_offload"] = {scan: {t: "offload" for t in tags} for scan, tags in _DSV3.items()}
-PRESETS["dsv3_device"] = {scan: {t: "device" for t in tags} for scan, tags in _DSV3.items()}
+_DSV3 = ("dense_layers.mlpwi_0", "dense_layers.mlpwi_1", "dense_layers.mlpwo",
+         "moe_layers.query_wa_proj", "moe_layers.kv_wa_proj", "moe_layers.moe_mlpwi_0",
+         "moe_layers.moe_mlpwi_1")
+# Keyed as placement()'s `changes`. "none" turns checkpointing off (autodiff keeps everything).
+PRESETS: dict[str, dict] = {
+    "remat": {},
+    "minimal": dict.fromkeys(_MINIMAL, "device"),
+    "qkv_offload": dict.fromkeys(_QKV, "offload"),
+    "minimal_offloaded": dict.fromkeys(_MINIMAL, "offload"),
+    "dsv3_offload": dict.fromkeys(_DSV3, "offload"),
+    "dsv3_device": dict.fromkeys(_DSV3, "device"),
+}
 NO_CHECKPOINT = "none"
 
 
 def presets_for(scan_tags: Mapping) -> list[str]:
-    """The presets whose per-scan tables name only scans this model has."""
+    """The presets that name only scans this model has."""
     return [name for name, table in PRESETS.items()
-            if all(scan in scan_tags for scan, v in table.items() if isinstance(v, dict))]
+            if {key.rpartition(".")[0] for key in table} <= {"", *scan_tags}]
 
 
 def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
@@ -54,10 +54,7 @@ def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> di
         raise ValueError(f"unknown preset {preset!r}; choose one of "
                          f"{', '.join([*PRESETS, NO_CHECKPOINT])}")
     tables = {scan: {} for scan in scan_tags}
-    entries = [(k, v) for k, v in PRESETS[preset].items() if not isinstance(v, dict)]
-    entries += [(f"{scan}.{t}", p) for scan, table in PRESETS[preset].items()
-                if isinstance(table, dict) for t, p in table.items()]
-    for key, place in [*entries, *dict(changes).items()]:
+    for key, place in [*PRESETS[preset].items(), *dict(changes).items()]:
         scan, _, tag = key.rpartition(".")
         if scan and scan not in scan_tags:
             raise ValueError(f"placement.{key}: the model has no layer scan {scan!r}; scans: "

@@ -19,16 +19,15 @@ SCOPE = "optimizer_state"  # the named scope of its moves: what study/ tells apa
 ARRIVAL = "compile_only_arrival"  # see _on_host
 
 
-def host_update(clip_norm: float, adamw, scans):
-    """(grads, opt_state, params) -> (params, opt_state) for the state of
-    `optax.chain(optax.clip_by_global_norm(clip_norm), adamw)` kept on host: the leaves outside
-    the layer `scans` (embedding, final norm, LM head) at once, each scan's stacked leaves one
-    layer at a time."""
+def host_update(clip, adamw, scans):
+    """(grads, opt_state, params) -> (params, opt_state) for the state of `optax.chain(clip,
+    adamw)` kept on host: the leaves outside the layer `scans` (embedding, final norm, LM head)
+    at once, each scan's stacked leaves one layer at a time."""
 
     @jax.named_scope(SCOPE)
     def update(grads, opt_state, params):
         # Clipped as a whole (it needs the global norm); XLA writes it over the gradients.
-        grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, opt_state[0])
+        grads, _ = clip.update(grads, opt_state[0])
         state = _on_host(opt_state[1])
         rest = [k for k in params if k not in scans]
         updates, new = adamw.update(_keys(grads, rest),
@@ -51,9 +50,8 @@ def _by_layer(adamw, grads, state, params):
     activations: so a step holds the state twice in host memory). Each layer's update is
     written over its gradient, and added to the weights after the loop: no third copy of the
     weights on the device. 0-d leaves (the step counts) are the same for every layer."""
-    def at(tree, i):
-        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
-                            if x.ndim else x, tree)
+    def at(tree, i):  # every leaf of a layer scan is stacked
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
     def layer(grads, xs):
         i, moments = xs

@@ -1,21 +1,15 @@
-"""How JAX starts in this process.
-
-Import this module before anything else imports JAX: it settles what must be settled before
-JAX starts.
-  - A machine without an NVIDIA GPU but with the CUDA plugin installed (the `gpu-compile`
-    extra) runs on the CPU backend, and the plugin's C++ start-up messages ("Could not find
-    cuda drivers ...", written below Python's sys.stderr) are dropped, so a CPU run prints what
-    it would print without the plugin.
+"""How JAX starts in this process (trainer/target.py says what a step is built for). Import
+this module before anything else imports JAX; it imports nothing of the project, so everything
+else may import it first. It settles:
+  - A machine without an NVIDIA GPU but with the CUDA plugin installed (the `gpu-compile` extra)
+    runs on the CPU backend and prints what it would without the plugin: the plugin's C++ start-up
+    messages ("Could not find cuda drivers ...", written below Python's sys.stderr) are dropped.
   - XLA's GPU memory pool takes MEMORY_FRACTION of each GPU unless the environment already
-    says (XLA_CLIENT_MEM_FRACTION, or the older XLA_PYTHON_CLIENT_MEM_FRACTION); plans and
-    compiles measure against that same figure.
+    says (FRACTION_VARIABLES); plans and compiles measure against that same figure.
   - All-reduces go to NCCL, not XLA's Triton one-shot kernels (NCCL_ALL_REDUCES, unless
     XLA_FLAGS already names the setting): jaxlib 0.12.0.1's GPU compiler aborts on a scalar
     all-reduce over 64 GB200s ("LLVM Fatal Error ... size mismatch when packing elements"),
     and XLA reads this list-valued setting only from XLA_FLAGS, not from a compile's options.
-
-What a step is built for (this machine, compile-only GPUs) is trainer/target.py's. This
-module imports nothing of the project: everything else may import it first.
 """
 
 import contextlib
@@ -27,9 +21,8 @@ import re
 import sys
 import tempfile
 
-# JAX's own default (0.75) leaves a quarter of the GPU unused, and the study's DeepSeek-V3 row
-# needed more than that (docs/study.md); 5% stays outside XLA's pool for the CUDA context and
-# NCCL's buffers.
+# JAX's default (0.75) leaves a quarter of the GPU unused; the study's DeepSeek-V3 row needed
+# more (docs/study.md). The other 5% is for the CUDA context and NCCL's buffers.
 MEMORY_FRACTION = 0.95
 FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 NCCL_ALL_REDUCES = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
@@ -93,9 +86,7 @@ def quiet():
     return captured_stderr(lambda line: "" if _CUDA_STUB_NOISE.search(line) else line)
 
 
-# XLA's rematerialization pass warns from its own estimate of a GPU program's memory: made
-# before the final schedule and buffer assignment, and counting the pinned-host buffers of
-# offloaded activations as device memory (docs/placement.md has an example).
+# XLA's warning from its own memory estimate, which REMAT_NOTE explains (docs/placement.md).
 _REMAT_WARNING = re.compile(r"hlo_rematerialization.*Can't reduce memory use below")
 REMAT_NOTE = ("  (XLA's rematerialization pass: its estimate counts the host buffers of offloaded "
               "activations as device memory and is made before the final schedule; what the "
@@ -104,8 +95,8 @@ REMAT_NOTE = ("  (XLA's rematerialization pass: its estimate counts the host buf
 
 def explained_compile():
     """While XLA compiles: its rematerialization warning gets a line that says what it is."""
-    return captured_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line)
-                           else line)
+    return captured_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line) else line)
+
 
 if has_cuda_plugin() and not has_gpu():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

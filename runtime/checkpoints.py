@@ -1,11 +1,9 @@
 """Training checkpoints with Orbax: asynchronous sharded saves, exact resumes, stops on request.
 
-A checkpoint is a step folder of an Orbax `CheckpointManager` directory: `params`, `optimizer`
-(its state and the step counter; each process writes its own shards) and `meta` (JSON: step,
-experiment, resolved model and run settings, Hugging Face config for export). Every batch is a
-function of (seed, step), so the step is the data position. Orbax renames a step's temporary
-folder once complete, so a save cut short (kill -9) leaves no step that could be picked.
-"""
+A checkpoint is a step folder of an Orbax `CheckpointManager` directory: `params`, `optimizer` (its
+state and the step counter; each process writes its own shards) and `meta` (`run_meta`, JSON). Every
+batch is a function of (seed, step), so the step is the data position. Orbax renames a step's
+temporary folder once complete: a save cut short (kill -9) leaves no step to pick."""
 
 import dataclasses
 import json
@@ -26,9 +24,8 @@ from hf.config import from_hf, to_hf
 from hf.save import DTYPES, write_checkpoint
 from model import common, families
 
-# Each process writes whole shards, one replica each. Orbax's replica-parallel saving (every
-# replica writing a slice of a replicated shard) slices each shard eagerly, one XLA program per
-# slice shape: seconds per save on CPUs. Orbax turns it off on GPUs itself.
+# Each process writes whole shards: Orbax's replica-parallel saving slices each replicated
+# shard eagerly, one XLA program per slice shape (slow on CPUs; Orbax turns it off on GPUs).
 _absl = logging.getLogger("absl")
 _level = _absl.level
 _absl.setLevel(logging.ERROR)  # Orbax warns of the override, in every process
@@ -114,9 +111,8 @@ def _run_order(run_dir: Path) -> tuple[str, int]:
 
 
 def find(target: str, out_dir: str, run_prefix: str) -> Source:
-    """The checkpoint `resume=target` names: `latest` (the newest run folder `run_prefix-*`
-    under `out_dir` with a complete checkpoint), a run folder, a checkpoint directory, or one
-    step folder of it."""
+    """The checkpoint `resume=target` names: `latest` (the newest `run_prefix-*` folder under
+    `out_dir` with a complete checkpoint), a run folder, a checkpoint directory or a step folder."""
     if target == "latest":
         runs = sorted(Path(out_dir).glob(f"{run_prefix}-*"), key=_run_order, reverse=True)
         for run_dir in runs:
@@ -138,8 +134,7 @@ def find(target: str, out_dir: str, run_prefix: str) -> Source:
 
 
 def check_outputs(setup, batch_size: int) -> Source | None:
-    """The output folders and the resume checkpoint, checked before anything is compiled: an
-    unusable folder, a checkpoint directory in use or a resume that cannot work is one line."""
+    """The output folders and the resume checkpoint, checked before anything is compiled."""
     run = setup.run
     for key, folder in (("out_dir", run.out_dir), ("checkpoint_dir", run.checkpoint_dir)):
         existing = next(p for p in (Path(folder), *Path(folder).parents) if p.exists())
@@ -171,17 +166,15 @@ def _everywhere(ok: bool) -> bool:
 
 
 def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
-    """(state, meta) of the newest step of `source` that reads back, resharded onto the
-    shardings of `abstract_state`. A step named explicitly that does not read is an error; when
-    searching, an unreadable step is reported and the one before it is tried."""
+    """(state, meta) of `source`'s newest step that reads back, resharded onto `abstract_state`'s
+    shardings; unless a step was named, an unreadable one is reported and the one before tried."""
     optimizer = {"opt_state": abstract_state["opt_state"], "step": abstract_state["step"]}
     for step in source.steps:
         where = source.directory / str(step)
         got, problem = None, f"checkpoint {where}: another process could not read its shards"
         try:
             got = _read(where, params=ocp.args.StandardRestore(abstract_state["params"]),
-                        optimizer=ocp.args.StandardRestore(optimizer),
-                        meta=ocp.args.JsonRestore())
+                        optimizer=ocp.args.StandardRestore(optimizer), meta=ocp.args.JsonRestore())
         except CheckpointNotFound as e:
             problem = str(e)
         if _everywhere(got is not None):  # every process falls back or fails together
@@ -237,8 +230,7 @@ class StopRequests:
     process stop at the same step, and Ctrl-C keeps its usual meaning."""
 
     def __init__(self):
-        self.signal, self.previous = None, {}
-        self.multi = jax.process_count() > 1
+        self.signal, self.previous, self.multi = None, {}, jax.process_count() > 1
 
     def __enter__(self) -> "StopRequests":
         # One process stopping alone would leave the others waiting in a collective.
@@ -262,8 +254,7 @@ class StopRequests:
 
 
 def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
-    """A checkpoint's parameters written as a Hugging Face checkpoint in `hf_dir` (a new or
-    empty folder), in `dtype`; the files written."""
+    """`target`'s parameters written to `hf_dir` as a Hugging Face checkpoint; the files written."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
     if not hf_dir:

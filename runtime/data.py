@@ -1,8 +1,7 @@
 """Training batches: deterministic synthetic tokens, or random windows of a token file.
 
 Every process builds the same global batch [B, T+1] in numpy (cheap: 256 x 8193 tokens is 8 MB)
-and hands JAX only the rows its devices hold, so single- and multi-host runs share one path.
-"""
+and hands JAX only the rows its devices hold, so single- and multi-host runs share one path."""
 
 import os
 
@@ -35,8 +34,7 @@ class TokenFile:
         if size == 0 or size % np.dtype(dtype).itemsize:
             raise DataError(f"data.path={path!r}: {size} bytes is not a whole number of "
                             f"{dtype} tokens")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
-        self.seed = seed
+        self.tokens, self.seed = np.memmap(path, dtype=dtype, mode="r"), seed
         if len(self.tokens) < seq + 1:
             raise DataError(f"data.path={path!r}: {len(self.tokens)} tokens, fewer than one "
                             f"window of seq+1={seq + 1}")

@@ -1,15 +1,13 @@
-"""Joining a multi-host JAX cluster: JAX's own detection, and what `jax.distributed.initialize`
-lacks: gloo collectives between CPU processes, a bounded wait for the others, a taken
-coordinator port named before JAX binds it, and one line (a ConfigError, exit status 2)
-instead of a hang or a C++ abort.
+"""Joining a multi-host JAX cluster: JAX's own detection, plus what `jax.distributed.initialize`
+lacks: gloo collectives between CPU processes, a bounded wait for the others, a taken coordinator
+port named before JAX binds it, a one-line ConfigError (exit status 2), not a hang or C++ abort.
 
 Launches are those JAX detects (a SLURM job step, Open MPI, ...; JAX_COORDINATOR_ADDRESS and
 JAX_LOCAL_DEVICE_IDS override what it finds), and an explicit one: JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID, all three (JAX reads only the address). A detected
 process uses its local rank's GPU (JAX's rule; the batch scripts start one process per GPU).
 A batch script's own commands (the plan before its srun) stay single processes: only a job
-step sets the variables JAX's SLURM detection reads.
-"""
+step sets the variables JAX's SLURM detection reads."""
 
 import dataclasses
 import errno
@@ -27,8 +25,7 @@ from jax._src.clusters import ClusterEnv
 from configs import ConfigError
 from runtime import backend
 
-# How long processes wait for each other to join (and, at exit, to leave): a missing process
-# or a wrong address ends the run after this many seconds.
+# Seconds processes wait for each other to join (and, at exit, to leave) before the run ends.
 TIMEOUT_VARIABLE = "DISTRIBUTED_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300
 # JAX's own deadline stays later than ours: when it passes, XLA aborts the process with a
@@ -125,9 +122,8 @@ def _give_up(launch: Launch, seconds: int, stderr: int) -> None:
 
 
 def initialize() -> Launch | None:
-    """Join the cluster this process was launched into, if any, before JAX's backend starts.
-    A CPU backend's collectives then go over gloo (JAX's CPU default runs none across
-    processes)."""
+    """Join the cluster this process was launched into, if any, before JAX's backend starts. A
+    CPU backend's collectives then go over gloo (JAX's CPU default runs none across processes)."""
     launch = detect()
     if launch is None or jax.distributed.is_initialized():
         return launch

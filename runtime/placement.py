@@ -1,8 +1,7 @@
 """Where a run's tagged activations live, read off its own program: the values its traced step
 tags in each layer scan and moves to host memory, and the host buffers and device memory of
 the program XLA compiled from it. Before the first step on a GPU, a probe checks that this
-jax reads offloaded activations back in the right layer order.
-"""
+jax reads offloaded activations back in the right layer order."""
 
 import dataclasses
 import re
@@ -49,8 +48,7 @@ def scope(name_stack: str) -> str:
 
 
 def walk(jaxpr, count=1, scan="") -> Iterator[tuple[jex_core.JaxprEqn, int, str, dict]]:
-    """Every equation with its run count, enclosing scan's scope, and the producers of its
-    jaxpr's variables."""
+    """Every equation, with its run count, enclosing scan's scope and its jaxpr's producers."""
     producers = {}
     for eqn in jaxpr.eqns:
         yield eqn, count, scan, producers
@@ -64,9 +62,8 @@ def walk(jaxpr, count=1, scan="") -> Iterator[tuple[jex_core.JaxprEqn, int, str,
 
 
 def tagged_in(jaxpr, offloaded: bool = False) -> dict[str, list[Tagged]]:
-    """tag -> its `checkpoint_name` sites, in trace order; with `offloaded`, the values a
-    traced step moves to host memory straight from them: a checkpoint policy that offloads a
-    name puts a `device_put` to host after its equation."""
+    """tag -> its `checkpoint_name` sites, in trace order; with `offloaded`, the values a traced
+    step moves to host right after them (an offloading policy puts a `device_put` to host there)."""
     found: dict[str, list[Tagged]] = {}
     for eqn, count, scan, producers in walk(jaxpr):
         if offloaded:  # the site is the equation that makes what the device_put moves
@@ -87,13 +84,12 @@ class CompiledMemory:
     aliased: int  # outputs written over donated arguments
     temporaries: int
     host: int  # in pinned host memory: offloaded activations, the optimizer state on host
-    arrived: int = 0  # host state a compile-only program takes as device arguments
+    arrived: int = 0  # host optimizer state a compile-only program takes as device arguments
 
     @classmethod
     def of(cls, compiled, arrived: int = 0) -> "CompiledMemory":
-        """`arrived`: the bytes of the optimizer state on host (optimizer_state=host) that a
-        program compiled for compile-only GPUs takes as device arguments (they have no memory
-        kinds): on a GPU they arrive in host memory, so they are moved from device to host."""
+        """`arrived` leaves the device arguments: compile-only GPUs have no memory kinds, and
+        on a GPU that state (optimizer_state=host) arrives in host memory."""
         stats = compiled.memory_analysis()
         host = (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
                 - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
@@ -102,8 +98,7 @@ class CompiledMemory:
 
     @property
     def device(self) -> int:
-        """What the program holds in device memory at once. (XLA's own peak figure counts the
-        host buffers too.)"""
+        """What the program holds in device memory at once (XLA's peak counts host buffers too)."""
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
@@ -122,9 +117,8 @@ def size_words(n: int) -> str:
 
 
 def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) -> list[str]:
-    """Per offloaded tag (per scan) its value per layer, per device, and where the compiled
-    program keeps it: a stacked host buffer (GPU), or device memory (a CPU drops host
-    placements when it compiles)."""
+    """Per offloaded tag (per scan) its value per layer and device, and where the compiled
+    program keeps it: a stacked host buffer (GPU), or device memory (CPUs drop host placements)."""
     buffers = [(tuple(int(d) for d in dims.split(",") if d), DTYPE_NAMES.get(dtype, dtype))
                for dtype, dims in _HOST_BUFFER.findall(hlo_text or "")]
     out = []
@@ -143,22 +137,19 @@ def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) ->
     return out
 
 
-def _probe_layer(x, w):
-    y = checkpoint_name(jnp.sin(x * w), "probe")
-    return x + jnp.cos(y) * w, None
-
-
 def _probe_gradient(policy, weights, x):
-    layer = _probe_layer if policy is None else jax.checkpoint(_probe_layer, policy=policy,
-                                                               prevent_cse=False)
-    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(layer, x, w)[0])))(weights)
+    def layer(x, w):
+        y = checkpoint_name(jnp.sin(x * w), "probe")
+        return x + jnp.cos(y) * w, None
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(body, x, w)[0])))(weights)
 
 
 def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
-    """Whether this backend's jax reads offloaded activations back from the layer that wrote
-    them: the gradient of a scan whose layers each offload one value equals the gradient kept
-    on the device. jaxlib 0.10.2 and 0.11.0 read them back in the wrong order on GPUs
-    (openxla/xla #46231): every layer would get another layer's activation."""
+    """Whether this jax reads offloaded activations back from the layer that wrote them: a scan
+    whose layers each offload one value must have the gradient of one that keeps them on the device.
+    jaxlib 0.10.2 and 0.11.0 read them back in the wrong order on GPUs (openxla/xla #46231)."""
     offload = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=["probe"],
         offload_src="device", offload_dst="pinned_host")

@@ -20,9 +20,8 @@ import configs
 from model import common, families
 from model.config import LlamaConfig
 from runtime import backend, placement
+from runtime.placement import GiB
 from trainer.target import forward_options, quantization_words
-
-GiB = 2**30
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -49,7 +48,6 @@ def _placement_line(tables: dict | None) -> str:
 
 
 def kernels_line(model, run, target) -> str:
-    """The kernels the target's step uses: attention, NVFP4 path, experts."""
     parts = []
     for name, value in forward_options(model, run, target).items():
         if name == "quantization":
@@ -83,9 +81,8 @@ def new_run_dir(root: str, name: str) -> Path:
 
 
 class RunDir:
-    """A run's folder under out_dir, `<experiment>-<scale>-<time>`: always a fresh one, so
-    nothing earlier is overwritten. Process 0 makes it and tells the others its name (they
-    write their checkpoint shards under it); only process 0 writes its files."""
+    """A run's folder, `<experiment>-<scale>-<time>` under out_dir. Process 0 makes it and
+    tells the others its name (they write their checkpoint shards under it) and writes its files."""
 
     def __init__(self, path: Path, checkpoints: Path):
         self.path, self.checkpoints = path, checkpoints
@@ -116,17 +113,27 @@ def say(text: str = "") -> None:
         print(text, flush=True)
 
 
-def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
-                first_step: int) -> list[tuple[str, str]]:
-    """The run header as (key, value) rows: what runs, where, at which scale, with which
-    kernels, flags and placement, what its compiled program holds, where its outputs go."""
+def _memory_words(built, target) -> str:
+    """What the compiled program holds per device, against the pool where there is one."""
+    compiled = built.compiled_memory()
+    words = f"{compiled.device / GiB:.2f} GiB per device"
+    if pool := target.pool_bytes():
+        fraction, variable = backend.memory_fraction()
+        words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
+    return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
+                    if target.platform == "gpu" else "")
+
+
+def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
+                 first_step: int) -> None:
+    """The run header as (key, value) rows, then where each offloaded activation lives."""
     run, full, target = setup.run, setup.experiment, built.target
     scale = ("PROXY -- a small model of the same family, not the study's numbers"
              if setup.scale == "proxy" else "FULL -- the study's model and run settings")
     compute = run.compute_dtype
     if setup.scale == "proxy" and compute != full.run.compute_dtype:
         compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
-    return [
+    rows = [
         ("experiment", f"{full.name}: {full.summary}"),
         ("scale", f"{scale}\n{'':12}({setup.scale_reason})"),
         ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
@@ -147,27 +154,11 @@ def header_rows(setup, built, batch_size: int, flops: float, run_dir: RunDir,
                     "device per step (MaxText's formula)"),
         ("output", str(run_dir.path)),
     ]
-
-
-def _memory_words(built, target) -> str:
-    """What the compiled program holds per device, against the pool where there is one."""
-    compiled = built.compiled_memory()
-    words = f"{compiled.device / GiB:.2f} GiB per device"
-    if pool := target.pool_bytes():
-        fraction, variable = backend.memory_fraction()
-        words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
-    return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
-                    if target.platform == "gpu" else "")
-
-
-def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
-                 first_step: int) -> None:
-    """The header rows, then where each offloaded activation lives in this run's program."""
     say("=" * 100)
-    for key, value in header_rows(setup, built, batch_size, flops, run_dir, first_step):
+    for key, value in rows:
         say(f"{key:<11} {value}")
     if built.offloaded:
-        hlo = built.compiled.as_text() if built.target.platform == "gpu" else None
+        hlo = built.compiled.as_text() if target.platform == "gpu" else None
         say("-" * 100)
         say("offloaded, per layer and device, in this run's compiled program:")
         say("\n".join(placement.placement_lines(built.offloaded, hlo)))
@@ -186,7 +177,6 @@ def _checkpoint_words(setup, run_dir: RunDir, first_step: int) -> str:
 
 
 def checkpoint_line(setup, run_dir: RunDir, path: Path, stopped_by) -> str:
-    """Where the last checkpoint is, and the command that continues the run from it."""
     stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
     resume = run_dir.checkpoints if setup.run.checkpoint_dir else run_dir.path
     args = [a for a in setup.args if not a.startswith(("resume=", "checkpoint_dir="))]
@@ -195,9 +185,8 @@ def checkpoint_line(setup, run_dir: RunDir, path: Path, stopped_by) -> str:
 
 
 class StepLog:
-    """Each step's line and record: its time (from the previous step's completion), loss,
-    tokens/s, TFLOP/s/device and ETA, printed by process 0 and appended to metrics.jsonl;
-    with profile=true a trace of the run's second to fourth steps."""
+    """Each step's line (process 0) and metrics.jsonl record, its time counted from the previous
+    step's completion; with profile=true a trace of the run's second to fourth steps."""
 
     def __init__(self, setup, built, run_dir: RunDir, batch_size: int, flops: float,
                  first_step: int):
@@ -242,7 +231,6 @@ class StepLog:
         return True
 
     def summary(self) -> dict:
-        """The run's figures (median step without the first, memory), printed and written."""
         median = statistics.median(self.times[1:] or self.times)  # not step 1's warm-up
         stats = jax.local_devices()[0].memory_stats() or {}
         analysis = self.built.compiled.memory_analysis()
@@ -273,8 +261,7 @@ class StepLog:
 
 
 def comparison(name: str, rows: list) -> None:
-    """One table for a comparison's runs (shaped like the study's), printed and written as
-    markdown and CSV beside the runs, by process 0 only."""
+    """A comparison's runs as one table like the study's, printed and written as .md and .csv."""
     if jax.process_index() != 0:
         return
     header = ["row", "preset", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
@@ -292,8 +279,7 @@ def comparison(name: str, rows: list) -> None:
     markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     markdown += ["| " + " | ".join(row) + " |" for row in table]
     scales = ", ".join(sorted({setup.scale for setup, _ in rows}))
-    print(f"\n{name} ({scales} scale, {jax.device_count()} x "
-          f"{jax.default_backend()}):")
+    print(f"\n{name} ({scales} scale, {jax.device_count()} x {jax.default_backend()}):")
     print("\n".join(markdown))
     folder = new_run_dir(rows[0][0].run.out_dir, name)
     (folder / "compare.md").write_text("\n".join(markdown) + "\n")

@@ -23,7 +23,6 @@ from trainer.target import Target
 
 @dataclasses.dataclass
 class Setup:
-    """Everything a run needs, resolved and checked before anything is compiled."""
     experiment: configs.Experiment
     scale: str
     scale_reason: str
@@ -95,7 +94,6 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
 
 
 def resolve_placement(model, run: configs.RunConfig) -> dict | None:
-    """The run's placement per layer scan; None when checkpointing is off."""
     if run.preset == activations.NO_CHECKPOINT:
         if run.placement:
             raise ConfigError("placement.<tag> overrides need a preset, not preset=none")
@@ -146,8 +144,7 @@ class Built:
 
 
 def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
-    """The run's mesh (in its axis rules) and optimizer: what its state is made for and its
-    step compiled for; first, whether the target can run it at all."""
+    """The run's mesh (in its axis rules) and optimizer, once the target can run it at all."""
     run = setup.run
     if run.attention == "cudnn" and target.platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
@@ -175,9 +172,8 @@ def check_host_state(setup: Setup, target: Target, rules, optimizer) -> None:
 
 
 def build(setup: Setup, target: Target, laid_out=None, extra_options=None) -> Built:
-    """The one path from settings to a compiled step: a run on this machine's devices and the
-    study tools on compile-only GPUs (with `extra_options`) both come here. `laid_out`: the
-    (rules, optimizer) of `layout`, when the caller has them already."""
+    """The one path from settings to a compiled step, for a run here and for the study tools on
+    compile-only GPUs (`extra_options`); `laid_out`: `layout`'s, when the caller has it."""
     run = setup.run
     rules, optimizer = laid_out or layout(setup, target)
     started = time.perf_counter()
@@ -193,20 +189,17 @@ def build(setup: Setup, target: Target, laid_out=None, extra_options=None) -> Bu
 
 
 def check_host_reads(built: Built) -> None:
-    """Before step 1 on GPUs, when the run offloads: a jax that reads offloaded activations
-    back in the wrong layer order (runtime/placement.py's probe) stops the run."""
-    if built.target.platform != "gpu" or built.target.compile_only or not built.offloaded:
-        return
-    if not placement.host_reads_in_order():
+    """Stop an offloading GPU run whose jax reads activations back in the wrong layer order."""
+    if (built.target.platform == "gpu" and not built.target.compile_only and built.offloaded
+            and not placement.host_reads_in_order()):
         raise ConfigError("this jax reads offloaded activations back from the wrong layers on "
                           "this GPU (openxla/xla #46231; fixed in jax 0.11.1): the gradients "
                           "would be wrong; use the pinned jax or a placement without offload")
 
 
 def start_state(setup: Setup, target: Target, laid_out) -> tuple[dict, int]:
-    """(state, steps already done): restored from the resume checkpoint, resharded onto this
-    run's mesh, or freshly initialized. Before the step is compiled: a checkpoint that does
-    not read back costs no compile."""
+    """(state, steps already done): the resume checkpoint's, resharded onto this run's mesh, or
+    a fresh one. Called before the step compiles: a checkpoint that does not read costs none."""
     rules, optimizer = laid_out
     if setup.resume is None:
         return init_state(setup, rules, optimizer), 0

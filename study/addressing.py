@@ -4,8 +4,7 @@ forward pass wrote it to.
 An activation offloaded inside a layer scan lives in one host buffer stacked over the layers
 (`bf16[L, ...]{...:S(5)}`, made by an `AllocateBuffer` custom call). The forward loop writes
 layer i into it (a dynamic-update-slice), the backward loop reads layer L-1-j back in its
-iteration j (a dynamic-slice). Two things say which bytes an access touches, and both are read
-here:
+iteration j (a dynamic-slice). Two things say which bytes an access touches, both read here:
   - what the program means: the start index the loop passes, evaluated iteration by iteration
     (scalar arithmetic on the loop's counters, carried through the loop state, fusions and
     async computations);
@@ -18,8 +17,7 @@ once and read once, and the backward pass's j-th read is the layer of the forwar
 (L-1-j)-th write: "read back layer L-1 first". jaxlib 0.10.2 compiles the reads of host buffers
 with a forward walk (O = 0, S > 0) while the loop passes L-1-i (openxla/xla #46231): silently
 wrong gradients, and the proof says which access and which bytes. A descriptor or a program
-shape it does not understand is CANNOT VERIFY, never a pass.
-"""
+shape it does not understand is CANNOT VERIFY, never a pass."""
 
 import dataclasses
 import operator
@@ -31,12 +29,11 @@ CHECKED, WRONG, UNVERIFIED = "checked", "WRONG", "CANNOT VERIFY"
 _INTEGER = ("pred", "s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64")
 _SCALAR = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul,
            "maximum": max, "minimum": min, "and": operator.and_, "or": operator.or_,
-           "xor": operator.xor, "shift-left": operator.lshift,
+           "xor": operator.xor, "shift-left": operator.lshift, "negate": operator.neg,
+           "not": lambda a: int(not a), "select": lambda pred, a, b: a if pred else b,
            "divide": lambda a, b: int(a / b) if b else None,
            "remainder": lambda a, b: a - b * int(a / b) if b else None,
-           "select": lambda pred, a, b: a if pred else b,
-           "clamp": lambda low, x, high: min(max(x, low), high),
-           "negate": operator.neg, "not": lambda a: int(not a)}
+           "clamp": lambda low, x, high: min(max(x, low), high)}
 _COMPARE = {"EQ": operator.eq, "NE": operator.ne, "LT": operator.lt, "LE": operator.le,
             "GT": operator.gt, "GE": operator.ge}
 _PASS_THROUGH = ("copy", "bitcast", "reshape", "convert", "copy-start", "copy-done")
@@ -140,25 +137,23 @@ class _Interpreter:
                 return None
             inner = self.call(self.module.computations[i.called()[0]], values, loops)
             return (tuple(values), inner, None) if op.endswith("-start") else inner
-        if op == "conditional" and any(isinstance(v, HostBuffer) for v in _flat(values)):
+        if op == "conditional" and _holds_buffer(values):
             raise CannotVerify(f"a host buffer passes through conditional {i.name}")
         return _arithmetic(i, values)
 
     def slice(self, i: Instruction, values: list, loops: tuple):
         buffer, write = values[0], i.opcode == "dynamic-update-slice"
-        if not isinstance(buffer, HostBuffer):
-            return values[0] if write else None
-        starts = values[2:] if write else values[1:]
-        sizes = (self.by_name[i.operands[1]].shape.dims if write
-                 else ints(i.attrs["dynamic_slice_sizes"].strip("{}")))
-        sliced = self.by_name[i.operands[0]].shape
-        self.accesses.append(Access(buffer, write, i, tuple(starts), sizes, sliced, loops))
+        if isinstance(buffer, HostBuffer):
+            starts = values[2:] if write else values[1:]
+            sizes = (self.by_name[i.operands[1]].shape.dims if write
+                     else ints(i.attrs["dynamic_slice_sizes"].strip("{}")))
+            sliced = self.by_name[i.operands[0]].shape
+            self.accesses.append(Access(buffer, write, i, tuple(starts), sizes, sliced, loops))
         return buffer if write else None
 
     def loop(self, i: Instruction, state, loops: tuple):
         body = self.module.computations[i.attrs["body"].lstrip("%")]
-        if not any(isinstance(v, HostBuffer) for v in _flat(state)) and not self.is_relevant(
-                body.name):
+        if not _holds_buffer(state) and not self.is_relevant(body.name):
             return None
         trip = i.backend_config().get("known_trip_count", {}).get("n")
         if trip is None:
@@ -168,16 +163,12 @@ class _Interpreter:
         return state
 
 
-def _flat(values):
-    for v in values:
-        if isinstance(v, tuple):
-            yield from _flat(v)
-        else:
-            yield v
+def _holds_buffer(values) -> bool:
+    return any(_holds_buffer(v) if isinstance(v, tuple) else isinstance(v, HostBuffer)
+               for v in values)
 
 
 def _host_buffer(i: Instruction) -> HostBuffer | None:
-    """The stacked host buffer an `AllocateBuffer` custom call makes, if `i` is one."""
     if (i.opcode == "custom-call" and i.shape.on_host
             and i.attrs.get("custom_call_target") == '"AllocateBuffer"'):
         return HostBuffer(i.name, i.shape)
@@ -292,8 +283,7 @@ def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
 
 
 def accesses(hlo: str) -> list[Access]:
-    """Every read and write of an optimized GPU program's stacked host buffers, as it runs
-    them (CannotVerify where it holds what the interpreter does not follow)."""
+    """Every access to an optimized GPU program's stacked host buffers, as run (or CannotVerify)."""
     return _Interpreter(parse_module(hlo)).run()
 
 

@@ -2,8 +2,7 @@
 
     python -m study bench [experiment] [steps=N]
 
-Figures are ratios within one run on whatever machine runs this (noisy if shared): the
-model FLOP rate (MaxText's count, no recompute) over the rate of a large f32 matmul.
+Ratios within one run on this machine (noisy if shared); FLOPs by MaxText's count, no recompute.
 """
 
 import dataclasses
@@ -42,8 +41,7 @@ def timed(fn, *args, repeats: int) -> float:
 
 
 def in_a_fresh_process(*words: str) -> str:
-    """What `python -m study WORDS` prints in a process of its own (nothing loaded or compiled
-    before it, and its peak memory its own)."""
+    """What `python -m study WORDS` prints in a new process (nothing compiled before, own peak)."""
     return subprocess.run([sys.executable, "-m", "study", *words], stdout=subprocess.PIPE,
                           text=True, check=True, cwd=ROOT).stdout
 
@@ -86,8 +84,7 @@ def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
           f"1 {jax.default_backend()} device; median of {repeats} steps")
     flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
     print(f"{'preset':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
-    times = {p: step_time(model, run, p, repeats)
-             for p in ("none", "remat", experiment.run.preset)}
+    times = {p: step_time(model, run, p, repeats) for p in ("none", "remat", experiment.run.preset)}
     for p, seconds in times.items():
         rate = flops / seconds
         print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
@@ -109,9 +106,8 @@ QUANT_ROWS = {"none": dict(quant="none"),
 
 
 def nvfp4_costs(model, run, repeats: int) -> None:
-    """What NVFP4 costs a proxy step on this machine (the dequantize path: the values of the
-    FP4 GEMMs, multiplied in the compute dtype), and how far it moves the logits of the same
-    (random) weights from unquantized bf16 ones."""
+    """What NVFP4 (the dequantize path: FP4 values, GEMMs in the compute dtype) costs a proxy step
+    here, and how far it moves the logits of the same random weights from unquantized bf16 ones."""
     times = {row: step_time(model, dataclasses.replace(run, **changes), run.preset, repeats)
              for row, changes in QUANT_ROWS.items()}
     params = proxy_params(model)

@@ -27,8 +27,7 @@ INTERVALS = (0, 1, 10)  # checkpoint_every: none, every step, a realistic interv
 
 
 def mean_step_s(name: str, args: list[str], out_dir: str) -> float:
-    """Mean step time over steps 2..N of a run (the mean, not the median: a save every N
-    steps costs on those steps only)."""
+    """Mean step time over steps 2..N of a run (not the median: a save costs on its steps only)."""
     target = trainer_target.this_machine()
     with contextlib.redirect_stdout(io.StringIO()):
         setup = runtime_setup.resolve(name, [*args, f"out_dir={out_dir}"], target.devices)

@@ -1,6 +1,5 @@
-"""The study's per-experiment modes (`python -m study plan|compile|search EXPERIMENT`): each
-resolves the experiment at full scale through the trainer's own settings (runtime/setup.py),
-whatever the machine, and writes only where a run would (out_dir, checked first)."""
+"""The study's per-experiment modes (`python -m study plan|compile|search EXPERIMENT`): full scale
+by the trainer's settings (runtime/setup.py) on any machine, writing only where a run would."""
 
 import dataclasses
 import time
@@ -16,9 +15,8 @@ from study.gpus import GPUS
 
 
 def check_out_dir(setup: Setup) -> None:
-    """out_dir for a mode that writes into it (compile, search's picture), checked as a run
-    checks it (checkpoints.check_outputs), before anything is traced or compiled. These modes
-    neither checkpoint nor resume: checkpoint_dir and resume are not theirs to check."""
+    """out_dir checked as a run checks it (checkpoints.check_outputs), before anything is traced or
+    compiled; not checkpoint_dir or resume: these modes neither checkpoint nor resume."""
     run = dataclasses.replace(setup.run, checkpoint_dir="", resume="")
     checkpoints.check_outputs(dataclasses.replace(setup, run=run), 0)
 
@@ -34,10 +32,8 @@ def plan(name: str, args: list[str]) -> None:
 
 
 def compile(name: str, args: list[str]) -> None:
-    """The experiment's full-scale step compiled for its GPUs (`device`) on compile-only
-    devices, through the trainer's `build` as a run on them would: XLA's memory beside the
-    static plan, and the step's time replayed from the compiled schedule (into a run folder:
-    compiled.json, timeline.json)."""
+    """The experiment's full-scale step compiled for its GPUs (`device`) on compile-only devices,
+    as a run would (the trainer's `build`): XLA's memory beside the plan, and the step replayed."""
     setup = resolve(name, args, full=True)
     check_out_dir(setup)
     row = compile_row(setup)
@@ -66,8 +62,7 @@ def compile(name: str, args: list[str]) -> None:
 
 def search(name: str, args: list[str]) -> None:
     """The experiment's placements ranked by predicted memory and step time on its `device`;
-    `search.verify=N` compiles the best N and the model's registered rows for those GPUs
-    and ranks them by the replay of their compiled programs."""
+    `search.verify=N` compiles the best N and the model's rows, ranked by their replay."""
     args, options = search_report.split_options(args)
     setup = resolve(name, args, full=True)
     if options["plot"] != "off":
@@ -89,7 +84,6 @@ def search(name: str, args: list[str]) -> None:
     for prediction, experiment, overrides in todo:
         row = compile_row(resolve(experiment, overrides, full=True), target)
         what = experiment if prediction.candidate.row else " ".join(overrides[len(args):])
-        replayed = predicted.of_experiment(row.setup.experiment, row.hlo, gpu,
-                                           len(target.devices))
+        replayed = predicted.of_experiment(row.setup.experiment, row.hlo, gpu, len(target.devices))
         found.append(search_report.Verified(prediction, row.compiled_memory(), replayed, what))
     print("\n".join(search_report.verified_lines(found, result.hw.capacity)))

@@ -1,6 +1,5 @@
-"""Compile-only GPUs: devices made from XLA's target spec of a GPU (study/gpus.py), on which
-XLA's real GPU compiler runs on a machine without one; the options and checks such a compile
-needs that a real GPU does not."""
+"""Compile-only GPUs, made from XLA's target spec of a GPU (study/gpus.py), on which XLA's real
+GPU compiler runs without one, and the options and checks only such a compile needs."""
 
 import functools
 from unittest import mock

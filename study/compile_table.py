@@ -2,9 +2,8 @@
 
     python -m study compile-table [EXPERIMENT ...] [key=value ...]
 
-Each row goes through `runtime_setup.build` on compile-only devices, as `make compile-ROW` does:
-XLA's per-device memory of the compiled step beside the static plan, the study's figure where
-it gives one, and whether the step fits the memory JAX takes of the GPU.
+Each row is built on compile-only devices (`runtime_setup.build`, as `make compile-ROW` does):
+XLA's memory per device beside the static plan and the study's figure; does it fit JAX's pool?
 """
 
 import time
@@ -12,10 +11,10 @@ import time
 import configs
 from runtime import backend
 from runtime import setup as runtime_setup
+from runtime.placement import GiB
 from study.compile_only import pool_bytes
 from study.compiled import compile_row
 
-GiB = 2**30
 ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
         "deepseek671b-device-mb8"]
 # The study's GPU memory per device, where it reports one (docs/study.md): DeepSeek-V3 with

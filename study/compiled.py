@@ -1,6 +1,5 @@
-"""A run's step compiled for its GPUs on compile-only devices, through the trainer's own `build`
-(runtime/setup.py), beside the experiment's full-scale static plan and this run's placement
-list checked on the compiled program (host buffers, addressing)."""
+"""A run's step compiled for its GPUs on compile-only devices by the trainer's `build`, beside the
+full-scale static plan and the run's placement list checked on it (host buffers, addressing)."""
 
 import dataclasses
 import functools
@@ -15,8 +14,7 @@ from trainer.target import Target
 
 @dataclasses.dataclass
 class CompiledRow:
-    """The compiled step; the plan and the placement list traced when first asked for (a
-    caller that needs only the program does not pay for them)."""
+    """The compiled step; the plan and the placement list are traced when first asked for."""
     setup: runtime_setup.Setup
     gpu: Gpu
     built: runtime_setup.Built
@@ -48,8 +46,7 @@ class CompiledRow:
 
     @functools.cached_property
     def full_plan(self) -> memory.MemoryPlan:
-        """The experiment's full-scale static plan (with the compiled placement where this run
-        is the full-scale one)."""
+        """The experiment's full-scale static plan (with this compiled placement if full-scale)."""
         hlo = self.hlo if self._is_full_scale else None
         return plan.full_scale(self.setup.experiment, self.setup.placement, hlo)
 
@@ -63,8 +60,7 @@ class CompiledRow:
 
 
 def compile_row(setup: runtime_setup.Setup, target: Target | None = None) -> CompiledRow:
-    """`setup`'s step compiled for its `device`'s GPUs (`target`, made once and shared by
-    the caller when it compiles several), as a run on them would compile it."""
+    """`setup`'s step compiled as a run on its `device`'s GPUs would (one `target` for several)."""
     gpu = GPUS[setup.run.device]
     target = target or compile_only(gpu, setup.run.mesh.devices)
     with kernel_checks(target):

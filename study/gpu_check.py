@@ -1,7 +1,6 @@
 """The study's four Llama rows on one GPU, at 405B width, with offloaded gradients checked.
 
-    python -m study gpu-check           one GPU (e.g. an H200): a few minutes
-                                             (jax[cuda12]==0.12.0.1 in .venv, README)
+    python -m study gpu-check           one GPU (e.g. an H200; jax[cuda12]==0.12.0.1: README)
     python -m study gpu-check --smoke   tiny shapes on any backend (the CPU test of this)
 
 1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
@@ -40,9 +39,8 @@ SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=
 
 
 def value_and_grad_fn(model, tables, dtype, run):
-    """Forward + backward as a run on this machine computes it (the trainer's loss: cuDNN's
-    fused attention on a GPU in bf16, the run's NVFP4 path), with the run's flags; the loss
-    over whole sequences (no chunks)."""
+    """Forward + backward as a run here computes it (the trainer's loss: cuDNN's fused attention
+    on a GPU in bf16, the run's NVFP4 path), with its flags, over whole sequences (no chunks)."""
     target = trainer_target.this_machine()
     run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name, loss_chunks=1)
     loss = program.make_loss(model, run, tables, None, target)

@@ -1,10 +1,9 @@
 """The GPUs a run is planned and compiled for, each described by XLA's own target spec.
 
-`gpu_specs/*.txtpb` are XLA's GPU target descriptions (a `GpuTargetConfigProto` per GPU, read
-off real devices), kept as published; README.md there names their source. They give the
-device memory the plans measure against and the compute capability that picks kernels, and
-they let `python -m study compile` run XLA's real GPU compiler without a GPU (jaxlib 0.12
-reads them as published). No JAX import (see configs).
+`gpu_specs/*.txtpb` are XLA's GPU target descriptions (a `GpuTargetConfigProto` per GPU, read off
+real devices), kept as published (jaxlib 0.12 reads them so; README.md there names their source):
+the device memory the plans measure against, the compute capability that picks kernels, and what
+lets `python -m study compile` run XLA's real GPU compiler without a GPU. No JAX import (configs).
 """
 
 import dataclasses
@@ -19,8 +18,7 @@ SPECS = Path(__file__).resolve().parent / "gpu_specs"
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per kind: compared by identity
 class Gpu:
-    """One GPU kind as the plans and the step-time replay see it. Figures from
-    docs/hardware.md (public sources named there); HBM bandwidth from XLA's spec."""
+    """One GPU kind as the plans and the step-time replay see it (docs/hardware.md: sources)."""
     name: str  # the key users type: device=gb200
     per_host: int  # GPUs per host in the usual system (a GB200 NVL72 tray: 4; a DGX: 8)
     host_memory: int  # bytes of host memory per GPU there
@@ -30,8 +28,8 @@ class Gpu:
     network: float  # bytes/s each way per GPU between NVLink domains (its NIC)
     host_link: float  # bytes/s each way of one host link
     host_link_gpus: int  # GPUs that share one host link (a Grace serves two)
-    # What a GEMM reaches of its peak, per precision class, fitted on one study row (named);
-    # a class without a fitted figure runs at peak and is reported as uncalibrated.
+    # What a GEMM reaches of its peak, per precision class, fitted on one study row (named) by
+    # `make step-times`; a class without a fitted figure runs at peak, reported as uncalibrated.
     efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
     calibrated_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
     collective_latency: float = 15e-6  # NCCL's base ring/tree latency (tuning.cc: 12-17 us)
@@ -83,18 +81,15 @@ class Gpu:
 # it divides between them is not published); the others' is PCIe Gen5 x16, ~50 GB/s measured.
 BLACKWELL = {"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15}
 HOPPER = {"bf16": 989e12, "fp8": 1979e12, "tf32": 495e12}
+DGX = dict(per_host=8, host_memory=256 * 10**9, nvlink_domain=8, network=50e9, host_link=50e9,
+           host_link_gpus=1)
 GPUS = {gpu.name: gpu for gpu in (
-    # bf16 fitted on deepseek671b-offload, FP4 on llama405b-baseline (`make step-times`,
-    # docs/replay.md).
     Gpu("gb200", per_host=4, host_memory=240 * 10**9, peaks=BLACKWELL, nvlink=900e9,
         nvlink_domain=72, network=50e9, host_link=450e9, host_link_gpus=2,
         efficiency={"bf16": 0.651, "fp4": 0.514},
         calibrated_on={"bf16": "deepseek671b-offload", "fp4": "llama405b-baseline"}),
-    Gpu("b200", per_host=8, host_memory=256 * 10**9,
-        peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.125e15}, nvlink=900e9,
-        nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
-    Gpu("h200", per_host=8, host_memory=256 * 10**9, peaks=HOPPER, nvlink=450e9,
-        nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
-    Gpu("h100", per_host=8, host_memory=256 * 10**9, peaks=HOPPER, nvlink=450e9,
-        nvlink_domain=8, network=50e9, host_link=50e9, host_link_gpus=1),
+    Gpu("b200", peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.125e15},
+        nvlink=900e9, **DGX),
+    Gpu("h200", peaks=HOPPER, nvlink=450e9, **DGX),
+    Gpu("h100", peaks=HOPPER, nvlink=450e9, **DGX),
 )}

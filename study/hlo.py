@@ -2,8 +2,7 @@
 parsed as far as this project reads it: computations, their instructions in schedule order
 (`is_scheduled=true`: the order is the execution order), shapes with layouts and memory spaces,
 operands, called computations and attributes. No JAX import: a committed HLO file is read the
-same way as a fresh compile.
-"""
+same way as a fresh compile."""
 
 import dataclasses
 import functools
@@ -81,21 +80,10 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
         elif not quoted and depth == 0 and ch == sep:
             parts.append(text[start:i].strip())
             start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced brackets in {text[:80]!r}")
     tail = text[start:].strip()
     return parts + [tail] if tail else parts
-
-
-def _closing(text: str, start: int) -> int:
-    """The index just past the bracket that closes the one at `start`."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    raise ValueError(f"unbalanced brackets in {text[:80]!r}")
 
 
 def parse_shape(text: str) -> Shape:
@@ -173,13 +161,10 @@ def parse_instruction(line: str) -> Instruction | None:
     if match is None:
         return None
     root, name, rest = match.groups()
-    end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
-    shape, rest = parse_shape(rest[:end]), rest[end:].lstrip()
-    opcode = rest[:rest.index("(")]
-    args_end = _closing(rest, len(opcode))
-    args = re.sub(r"/\*.*?\*/", "", rest[len(opcode) + 1:args_end - 1])
+    shape, call, *attributes = _split_top(rest, " ")
+    opcode, _, args = call.removesuffix(",").partition("(")
     operands, literal = [], ""
-    for arg in _split_top(args):
+    for arg in _split_top(re.sub(r"/\*.*?\*/", "", args.removesuffix(")"))):
         if arg.startswith("%"):
             operands.append(arg[1:])
         elif re.fullmatch(r"[\w.\-]+", arg) and opcode not in ("constant", "parameter"):
@@ -187,20 +172,19 @@ def parse_instruction(line: str) -> Instruction | None:
         else:
             literal = arg
     attrs = {key.strip(): value.strip() for key, _, value in
-             (item.partition("=") for item in _split_top(rest[args_end:].lstrip(", ")))}
-    return Instruction(name, shape, opcode, operands, attrs, literal, bool(root))
+             (item.partition("=") for item in _split_top(" ".join(attributes)))}
+    return Instruction(name, parse_shape(shape), opcode, operands, attrs, literal, bool(root))
 
 
 def parse_module(text: str) -> Module:
-    computations, current, entry, scheduled = {}, None, False, False
+    computations, current, scheduled = {}, None, False
     for line in text.splitlines():
         if line.startswith("HloModule "):
             scheduled = "is_scheduled=true" in line
         elif current is None:
             if match := _COMPUTATION.match(line):
-                entry, current = bool(match.group(1)), Computation(match.group(2), [])
+                current = Computation(match.group(2), [], entry=bool(match.group(1)))
         elif line.startswith("}"):
-            current.entry = entry
             computations[current.name] = current
             current = None
         elif (instruction := parse_instruction(line)) is not None:
@@ -217,7 +201,6 @@ def wrapped(module: "Module", instruction: Instruction) -> Instruction:
 
 
 def kind(module: "Module", instruction: Instruction) -> str:
-    """What an instruction does: its (wrapped) opcode less an async "-start"."""
     return wrapped(module, instruction).opcode.removesuffix("-start")
 
 

@@ -1,7 +1,5 @@
-"""Read what a function tags, saves and offloads, from its jaxpr (nothing compiled or allocated).
-
-Functions here take a function and (possibly abstract) arguments, never a model.
-"""
+"""Read what a function tags, saves and offloads, from its jaxpr (nothing compiled or allocated):
+functions here take a function and (possibly abstract) arguments, never a model."""
 
 import dataclasses
 from collections import Counter
@@ -20,9 +18,8 @@ def tagged_values(fn, *args) -> dict[str, list[Tagged]]:
 
 
 def moves_in(jaxpr, named: str, inside: bool = False) -> Counter:
-    """(memory kind "pinned_host" or "device", shape, dtype) of every value a `device_put`
-    inside named scope `named` moves (e.g. the optimizer state's, offload/optimizer_state.py). A
-    sub-jaxpr's name stacks start afresh: being inside is inherited from its equation."""
+    """(memory kind "pinned_host" or "device", shape, dtype) of every value a `device_put` inside
+    named scope `named` moves. A sub-jaxpr's name stack starts afresh: it inherits being inside."""
     found = Counter()
     for eqn in jaxpr.eqns:
         here = inside or named in str(eqn.source_info.name_stack)
@@ -53,8 +50,7 @@ class Residual:
 
 
 def saved_residuals(fn, *args) -> list[Residual]:
-    """What grad(fn) keeps between its forward and backward pass (inside a layer scan, stacked
-    over the layers), and whether it waits in host memory."""
+    """What grad(fn) keeps for the backward pass (stacked over scan layers), and whether on host."""
     return [Residual(aval.shape, aval.dtype,
                      "host" in str(getattr(aval, "memory_space", "")).lower(), source)
             for aval, source in ad_checkpoint.saved_residuals(fn, *args)]
@@ -62,8 +58,7 @@ def saved_residuals(fn, *args) -> list[Residual]:
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One device's share of a traced step (a gradient): dot FLOPs and the bytes it sends
-    through all-to-alls, per (scan, pass), and where each tag sits in its layer."""
+    """One device's work in a traced step (a gradient), per (scan, pass), and where its tags sit."""
     flops: dict  # (scan, "forward" | "backward") -> FLOPs; scan "" outside any layer scan
     exchanged: dict  # (scan, pass) -> bytes sent by all-to-alls
     positions: dict  # (scan, tag) -> share of one layer's forward dot FLOPs before the tag

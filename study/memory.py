@@ -1,9 +1,6 @@
-"""Per-device memory of a training step, read from abstract values (nothing allocated).
-
-Sizes come from the traced program: the sharded abstract train state, the tagged values and
-what autodiff saves. The peak is an estimate: it misses NCCL scratch, cuDNN workspaces, XLA's
-temporaries and fragmentation, which only a real run shows.
-"""
+"""Per-device memory of a training step, read from abstract values (nothing allocated): the
+sharded abstract train state, the tagged values and what autodiff saves. The peak is an estimate:
+it misses NCCL scratch, cuDNN workspaces, XLA's temporaries and fragmentation (a real run's)."""
 
 import dataclasses
 
@@ -56,10 +53,9 @@ class MemoryPlan:
 
     @property
     def layer_working_set(self) -> int:
-        """One layer's backward: every tagged value live at once (recomputed or fetched), the
-        layer's gathered weights and any expert exchange blocks; for the widest layer of
-        each count. (The compiled backward loop gathers no next layer ahead and frees each
-        gathered matrix for its gradient: tests/test_plan_terms.py.)"""
+        """One layer's backward, each term at its widest layer: every tagged value live at once
+        (recomputed or fetched), gathered weights, expert exchange blocks. The compiled loop
+        gathers no layer ahead, freeing each gathered matrix for its gradient (test_plan_terms)."""
         return _widest_layer([t.value for t in self.tags]) + self.layer_weights + self.exchange
 
     @property
@@ -68,9 +64,8 @@ class MemoryPlan:
 
     @property
     def host_peak(self) -> int:
-        """Host memory a step needs at once: the offloaded activations; with the optimizer
-        state on host, the state, and its new copy written during the update, after the
-        backward pass has read (and freed) the activations."""
+        """Host memory a step needs at once: the offloaded activations; with the optimizer state on
+        host, the state and its new copy, written after the backward pass freed the activations."""
         if not self.optimizer_on_host:
             return self.host_activations
         return self.optimizer + max(self.host_activations, self.optimizer)
@@ -87,8 +82,7 @@ class MemoryPlan:
 
 def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
                          shards: int) -> list[Residual]:
-    """Residuals of a per-device trace (batch already per device): the parameters themselves
-    are dropped (counted as state), and casts of whole parameters are FSDP-sharded."""
+    """Residuals of a per-device trace less parameters (state), casts of whole ones FSDP-sharded."""
     return [dataclasses.replace(r, shape=(r.shape[0] // shards, *r.shape[1:]))
             if r.shape in param_shapes and r.shape[0] % shards == 0 else r
             for r in residuals if not r.is_argument]
@@ -105,13 +99,10 @@ def host_state_buffers(step: TracedStep) -> set[tuple]:
 
 def tag_lines(step: TracedStep, tables: dict | None,
               compiled_hlo: str | None = None) -> list[TagLine]:
-    """Every tag of every layer scan, as the exported GPU program places it and, given a
-    compiled GPU program's optimized HLO, as XLA does."""
+    """Every tag of every layer scan as the exported GPU program places it (given its HLO, XLA)."""
     exported = step.exported(tables)
-    in_host = None  # (scan, tag) -> the addressing proof of its host buffer
-    if compiled_hlo is not None:
-        in_host = placement.compiled_host_buffers(compiled_hlo, step.moved(tables),
-                                                  host_state_buffers(step))
+    in_host = None if compiled_hlo is None else placement.compiled_host_buffers(
+        compiled_hlo, step.moved(tables), host_state_buffers(step))  # (scan, tag) -> its proof
     tables = tables or {}
     return [TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"), (s.scan, s.tag) in step.needed,
                     (s.scan, s.tag) in exported,
@@ -122,8 +113,7 @@ def tag_lines(step: TracedStep, tables: dict | None,
 
 def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: int,
          host_capacity: int) -> MemoryPlan:
-    """The static memory plan of `step` under `tables`, per device: state, gradients, what
-    autodiff keeps (on device and on host), one layer's backward."""
+    """The static memory plan of `step` under `tables`, per device."""
     # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
     shapes = {spec.shape for spec in jax.tree.leaves(step.specs) if not step.split_by_expert(spec)}
     return MemoryPlan(
@@ -143,23 +133,19 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
 
 
 def pipelined(step: TracedStep, tags: list[TagLine]) -> int:
-    """Under pipelined host offloading (the XLA flag), one layer's offloaded tensors, of the
-    scan that offloads most: the backward pass fetches the next layer's during this one. An
-    estimate: what the flag adds to a compiled program is measured in docs/placement.md."""
+    """Under pipelined host offloading (the XLA flag), one layer's offloaded tensors of the scan
+    offloading most, fetched a layer early by the backward pass (an estimate: docs/placement.md)."""
     if step.run.xla_flags.get(PIPELINED, "false") != "true":
         return 0
     return _widest_layer([line.value for line in tags if line.offloaded])
 
 
 def transposed_weights(step: TracedStep) -> int:
-    """Per device, the layer scans' stacked weights XLA keeps a second, transposed copy of,
-    from before the forward loop to the end of the backward loop: those FSDP shards on an
-    axis after their first per-layer one (Llama's and DeepSeek's wo and w_down, sharded on
-    their output axis; the routed experts are sharded on their expert axis, the first, and
-    need none). A layer's all-gather concatenates its major axis, so XLA lays the whole stack
-    out with the sharded axis first, once (a `wrapped_transpose` of the parameter in the
-    compiled program, of its bytes exactly; tests/test_plan_terms.py). On one device nothing
-    is gathered, and nothing copied."""
+    """Per device, the layer scans' stacked weights XLA keeps a second, transposed copy of for the
+    whole step: those FSDP shards on an axis after their first per-layer one (wo and w_down, on
+    their output axis; not the routed experts, on their first). An all-gather concatenates its
+    major axis, so XLA lays the stack out sharded axis first, once (a `wrapped_transpose` of the
+    parameter's bytes exactly: tests/test_plan_terms.py). One device gathers and copies nothing."""
     if step.shards == 1:
         return 0
     copied = []

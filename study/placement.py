@@ -2,17 +2,16 @@
 
 What JAX asks: lower a step for a GPU (platform "cuda", from any machine) from abstract inputs
 and read where XLA is told to put each offloaded value (the "exported" program). On a CPU, JAX
-drops memory placements when it lowers, so an offloaded tag there is only a numerical no-op;
-the program lowered for "cuda" still carries them: one `annotate_device_placement` custom call with
+drops memory placements when it lowers, so an offloaded tag there is only a numerical no-op; the
+program lowered for "cuda" still carries them: one `annotate_device_placement` custom call with
 `_xla_buffer_placement = "pinned_host"` per offloaded value in the forward loop body, and one
 with "device" where the backward pass brings it back. Nothing is allocated.
 
-What XLA does: in a program compiled for a GPU (a GPU run, or compile-only devices), each
-value offloaded inside a layer scan becomes one buffer stacked over the layers,
-`bf16[L, ...]{...:S(5)}` (memory space 5: pinned host), made by an `AllocateBuffer` custom
-call, written in the forward loop and read in the backward loop. XLA's host-offload passes
-could still keep a device copy or drop a move, or address the buffer wrongly: only the
-compiled program shows it (study/addressing.py proves its addressing).
+What XLA does: in a program compiled for a GPU (a GPU run, or compile-only devices), each value
+offloaded inside a layer scan becomes one buffer stacked over the layers, `bf16[L, ...]{...:S(5)}`
+(memory space 5: pinned host), made by an `AllocateBuffer` custom call, written in the forward
+loop and read in the backward loop. XLA's host-offload passes could still keep a device copy,
+drop a move or address the buffer wrongly (study/addressing.py): only the compiled program shows it.
 """
 
 import re
@@ -33,8 +32,7 @@ class PlacementError(AssertionError):
 
 
 def annotations(module: str) -> dict[str, Counter]:
-    """placement ("pinned_host" or "device") -> Counter of (shape, dtype) annotated so, in a
-    StableHLO module lowered for a GPU."""
+    """placement -> Counter of (shape, dtype) so annotated, in a StableHLO module for a GPU."""
     found = defaultdict(Counter)
     for placement, dims, dtype in _ANNOTATION.findall(module):
         shape = tuple(int(d) for d in dims.split("x") if d)
@@ -43,13 +41,10 @@ def annotations(module: str) -> dict[str, Counter]:
 
 
 def verify_offloads(fn, *args) -> set[tuple[str, str]]:
-    """(layer scan, tag) of every value the program of `fn` (jitted), lowered for a GPU,
-    offloads to pinned host memory and brings back.
-
-    The traced program names the tag behind each move to host; the lowered module must
-    hold exactly those moves (same shapes and dtypes, each out and back), and the optimizer
-    state's (optimizer_state=host), no more, no fewer. One trace serves both.
-    """
+    """(layer scan, tag) of every value the jitted `fn`, lowered for a GPU, offloads to pinned
+    host memory and brings back. The traced program names the tag behind each move to host; the
+    lowered module must hold exactly those moves (same shapes and dtypes, each out and back) and
+    the optimizer state's (optimizer_state=host), no more, no fewer. One trace serves both."""
     program = fn.trace(*args)
     traced = tagged_in(program.jaxpr.jaxpr, offloaded=True)
     tags = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
@@ -67,13 +62,11 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
 
 def compiled_host_buffers(hlo: str, offloaded: list[Tagged],
                           state: set[tuple] = frozenset()) -> dict[tuple[str, str], Proof]:
-    """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose
-    stack over its layers, [count, *shape], the compiled program keeps in host memory, and the
-    proof that the program reads that buffer back from where it wrote it (study/addressing.py).
-
-    A host buffer that no offloaded value accounts for is an error: the program moves
-    something no table asked for. Buffers of the optimizer state's stacked moments (`state`:
-    per-device (shape, dtype), optimizer_state=host) are not activations: left out."""
+    """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose stack
+    over its layers, [count, *shape], the compiled program keeps in host memory, with the proof it
+    reads that buffer back from where it wrote it (study/addressing.py). Any other host buffer is
+    an error (a move no table asked for), but for the optimizer state's stacked moments (`state`:
+    per-device (shape, dtype), optimizer_state=host), which are not activations."""
     left = addressing.prove(hlo)
     found = {}
     for value in offloaded:

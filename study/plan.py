@@ -1,13 +1,12 @@
 """Where a step's activations go, and how much memory each device needs, from abstract values.
 
     python -m study plan EXPERIMENT [key=value ...]      the full-scale plan (static)
-    python -m study compile EXPERIMENT [key=value ...]   beside XLA's compiled GPU program
+    python -m study compile EXPERIMENT [key=value ...]   beside XLA's compiled GPU program: the
+                                                         host buffers it keeps, its memory
 
 The static plan allocates and compiles nothing: the step is traced and exported for a GPU from
-ShapeDtypeStructs sharded over an abstract mesh, with kernels every backend has (target
-"any"), so a laptop plans the 128-GPU run and a GPU run plans without touching its devices.
-A compiled program (`python -m study compile`) adds what XLA really does: the host buffers it
-keeps and its memory per device.
+ShapeDtypeStructs sharded over an abstract mesh, with kernels every backend has (target "any"),
+so a laptop plans the 128-GPU run and a GPU run plans without touching its devices.
 """
 
 import math
@@ -32,8 +31,7 @@ HOST_POOL_DEFAULT_GIB = 64  # XLA's pinned-host allocator on GPU, unless the var
 
 def full_scale(experiment: Experiment, tables: dict | None,
                compiled_hlo: str | None = None) -> memory.MemoryPlan:
-    """The experiment's full-scale memory plan and placement list under these tables, against
-    the memory JAX takes of its GPU (and, given one, the compiled program's host buffers)."""
+    """The experiment's full-scale plan under these tables (given compiled HLO, XLA's placement)."""
     run, gpu = experiment.run, GPUS[experiment.run.device]
     step = TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
     return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
@@ -71,8 +69,7 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
 
 
 def addressing_problems(lines: list[memory.TagLine]) -> list[str]:
-    """One line per offloaded tag whose host buffer the compiled program does not provably
-    read back from where it wrote it (study/addressing.py)."""
+    """A line per offloaded tag not provably read back from where it was written (addressing.py)."""
     return [f"{line.value.scan} {line.value.tag}: addressing {line.addressing.verdict}: "
             f"{line.addressing.detail}" for line in lines
             if line.addressing is not None and not line.addressing.holds]
@@ -89,8 +86,7 @@ def _verdict(line: memory.TagLine) -> str:
         return "NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it on device"
     if line.value.tag == activations.LAYER_INPUT:
         return "kept on device: a checkpointed layer always keeps its input"
-    return {"device": "stays on device", "remat": "recomputed"}.get(line.placement,
-                                                                    "NOT OFFLOADED")
+    return {"device": "stays on device", "remat": "recomputed"}.get(line.placement, "NOT OFFLOADED")
 
 
 def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
@@ -111,8 +107,7 @@ def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryP
 
 
 def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
-    """What `gpu` makes of the run's NVFP4 (the choice trainer/target.py's `quantization`
-    makes for the compile)."""
+    """What `gpu` makes of the run's NVFP4 (trainer/target.py's `quantization` for a compile)."""
     chosen = target.quantization(run, target.Target("gpu", gpu.capability))
     words = target.quantization_words(chosen)
     if chosen.path == "scaled":
@@ -122,8 +117,7 @@ def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
 
 
 def host_pool_warning(host: float) -> list[str]:
-    """A warning when `host` bytes per GPU exceed XLA's pinned-host pool, with the setting
-    that makes room (the static plan's and the search's)."""
+    """A warning when `host` bytes per GPU exceed XLA's pinned-host pool (and how to make room)."""
     pool_gib = float(os.environ.get(HOST_POOL_VARIABLE, HOST_POOL_DEFAULT_GIB))
     if host <= pool_gib * GiB:
         return []
@@ -179,10 +173,8 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]
     return out
 
 
-def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan,
-                   gpu: Gpu) -> list[str]:
-    """XLA's per-device memory of the compiled GPU program beside the static plan, and whether
-    it fits the memory JAX takes and the host memory there is."""
+def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan, gpu: Gpu) -> list[str]:
+    """XLA's per-device memory of the compiled program beside the static plan: does it fit?"""
     rows = [
         ("arguments", compiled.arguments, plan.params + plan.device_optimizer,
          "the state (parameters, optimizer) and the batch; static: the state"),

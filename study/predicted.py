@@ -26,26 +26,17 @@ class StepPrediction:
         return self.model_flops / self.result.step_s / 1e12
 
 
-def predict(compiled_hlo: str, gpu: Gpu, devices: int, model_flops: float,
-            study_tflops: float | None = None, keep_slices: bool = False,
-            efficiency=None, device_ids: list[int] | None = None) -> StepPrediction:
-    """The replay of the compiled program and, given the mesh's device ids, its all-to-alls
-    against the NVLink domains (the module parsed once for both)."""
+def of_experiment(experiment, compiled_hlo: str, gpu: Gpu, devices: int, keep_slices: bool = False,
+                  efficiency=None, device_ids: list[int] | None = None) -> StepPrediction:
+    """The replay of an experiment's compiled program beside MaxText's FLOPs and the study's figure;
+    given the mesh's device ids, its all-to-alls against the NVLink domains (one parse for both)."""
+    model, run = experiment.model, experiment.run
+    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
     module = hlo.parse_module(compiled_hlo)
     result = replay.replay(module, gpu, devices, efficiency, keep_slices)
     exchanges = None if device_ids is None else exchange_groups(module, gpu, device_ids)
-    return StepPrediction(result, model_flops, study_tflops, gpu,
+    return StepPrediction(result, flops, configs.STUDY_TFLOPS.get(experiment.name), gpu,
                           replay.overlap(module, gpu, devices), exchanges)
-
-
-def of_experiment(experiment, compiled_hlo: str, gpu: Gpu, devices: int,
-                  **options) -> StepPrediction:
-    """`predict` for an experiment (its model and run): MaxText's FLOPs of its step, and the
-    study's figure where it has one."""
-    model, run = experiment.model, experiment.run
-    flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
-    return predict(compiled_hlo, gpu, devices, flops,
-                   configs.STUDY_TFLOPS.get(experiment.name), **options)
 
 
 def efficiency_words(p: StepPrediction) -> str:
@@ -73,9 +64,8 @@ def schedule_words(o: replay.Overlap) -> str:
 
 def exchange_groups(module: hlo.Module, gpu: Gpu, device_ids: list[int]) -> dict:
     """The compiled program's all-to-alls and their device groups (by the mesh's device ids)
-    against the GPUs' NVLink domains: the model's own (the expert exchanges) and those XLA's
-    partitioner adds to reshard a value (the embedding lookup's: the table is sharded along
-    its width, the tokens along the batch)."""
+    against the NVLink domains: the model's own (expert exchanges) and those XLA's partitioner
+    adds to reshard a value (the embedding lookup's: table sharded by width, tokens by batch)."""
     size = gpu.domain_size(len(device_ids))
     found = {"expert": [], "resharding": []}
     wrappers = {c for comp in module.computations.values() for ins in comp.instructions
@@ -99,8 +89,7 @@ def exchange_groups(module: hlo.Module, gpu: Gpu, device_ids: list[int]) -> dict
 
 
 def exchange_line(found: dict) -> str:
-    """The all-to-alls, the model's and the partitioner's, and whether they stay inside one
-    NVLink domain."""
+    """The all-to-alls, the model's and the partitioner's: do they stay in one NVLink domain?"""
     words = []
     for which, name in (("expert", "expert exchanges"), ("resharding", "XLA's resharding")):
         f = found[which]
@@ -135,8 +124,7 @@ def lines(p: StepPrediction) -> list[str]:
 
 def write(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan,
           folder: Path, title: str) -> None:
-    """The run folder's compiled.json (the compiled memory beside the plan, and the predicted
-    step) and timeline.json (the replayed step)."""
+    """The run folder's compiled.json (memory beside the plan, predicted step) and timeline.json."""
     r = p.result
     record = {
         "predicted_step_s": r.step_s,

@@ -11,8 +11,7 @@ wait is the stream's exposed time. Synchronous collectives and host copies are a
 
 What a replay cannot know: the kernels XLA's autotuner picks on a real GPU (compile-only
 devices skip autotuning), contention between streams for SMs and HBM, clocks and power, and
-which algorithm NCCL picks.
-"""
+which algorithm NCCL picks."""
 
 import dataclasses
 import json
@@ -112,8 +111,7 @@ class Costs:
                     compute > memory)
 
     def _host(self, inputs, output) -> Work:
-        """A transfer between HBM and pinned host memory: to host when it writes host memory
-        (the bytes that come from the device), else from host (the bytes it writes)."""
+        """A transfer between HBM and pinned host memory: the device's bytes, one way."""
         if output.on_host:
             stream, nbytes = "to host", sum(s.nbytes for s in inputs if not s.on_host)
         else:
@@ -122,10 +120,9 @@ class Costs:
         return Work(nbytes / rate, stream)
 
     def _collective(self, ins, kind, size) -> Work:
-        """Ring bytes per GPU: an all-gather's output (a reduce-scatter's input) S over n GPUs
-        in d NVLink domains of m: (d-1)/d * S/m over the NICs, then (m-1)/m * S over NVLink;
-        an all-reduce is both; an all-to-all sends (m-1)/n of S over NVLink and (n-m)/n over
-        the NICs at once."""
+        """Ring bytes per GPU: an all-gather's output (a reduce-scatter's input) S over n GPUs in d
+        NVLink domains of m: (d-1)/d * S/m over the NICs, then (m-1)/m * S over NVLink; all-reduce:
+        both; all-to-all: (m-1)/n of S over NVLink and (n-m)/n over the NICs at once."""
         group = hlo.replica_groups(hlo.wrapped(self.module, ins), self.devices)[0]
         n = len(group)
         if n <= 1:
@@ -145,9 +142,8 @@ class Costs:
         return Work(self.gpu.collective_latency + seconds, "collectives")
 
     def _fusion_bytes(self, comp, ins, body: hlo.Computation) -> float:
-        """HBM bytes of a fusion: operands as it reads them (a slice of a stacked buffer, not
-        the buffer; nothing of a buffer it updates in place) and what it writes (an in-place
-        update writes the update)."""
+        """HBM bytes of a fusion: operands as read (of a stacked buffer the slice it takes; nothing
+        of one it updates in place) and what it writes (of an in-place update, the update)."""
         total = 0.0
         for param, operand in zip(body.parameters(), ins.operands):
             users = [u for u in body.instructions if param.name in u.operands]
@@ -285,9 +281,8 @@ def _walk(module, comp, costs, clock, loops):
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-    """What a schedule overlaps: collectives issued asynchronously (and those run in place,
-    synchronously) and, per async pair, how many kernels the compute stream issues between
-    its start and its done."""
+    """What a schedule overlaps: its synchronous collectives and, per async pair, the kernels the
+    compute stream issues between its start and its done."""
     synchronous: int
     between: tuple[tuple[str, int], ...]  # (the pair's stream, kernels between start and done)
 
@@ -313,8 +308,7 @@ def overlap(module: hlo.Module, gpu: Gpu, devices: int) -> Overlap:
 
 
 def write_timeline(result: Replay, title: str, path) -> None:
-    """The replayed step as a Chrome/Perfetto trace: one track per stream, each slice named
-    by its HLO instruction, with the JAX op_name and loop iterations (layer) as arguments."""
+    """The replayed step as a Chrome/Perfetto trace, one track per stream."""
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": title}}]
     events += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": s}}
                for k, s in enumerate(STREAMS)]

@@ -12,8 +12,7 @@ recompute) at the GPU's bf16 rate; offloaded bytes to host and back; FSDP collec
 expert all-to-alls over NVLink (the NICs for what leaves an NVLink domain). Without the latency
 hiding scheduler all of it is exposed; with it, FSDP collectives hide behind the layer's
 compute and host copies behind the compute around their tags (`_host_stall`). Expert
-all-to-alls feed the GEMMs after them: always exposed.
-"""
+all-to-alls feed the GEMMs after them: always exposed."""
 
 import dataclasses
 import itertools
@@ -169,8 +168,7 @@ def place(scan: Scan, placed: dict, tag: Tag) -> str:
 
 def scan_terms(scan: Scan, placed: dict, sched: Schedule, hw: Hardware,
                recompute: tuple[float, float]) -> Terms:
-    """One scan's memory and time under a placement (`recompute`: FLOPs and all-to-all bytes
-    one layer's backward repeats)."""
+    """One scan's memory and time under a placement and the recompute it costs one layer."""
     flops, exchange = recompute
     kept = sum(t.nbytes for t in scan.tags if place(scan, placed, t) == "device")
     moved = [t for t in scan.tags if place(scan, placed, t) == "offload"]
@@ -187,10 +185,9 @@ def scan_terms(scan: Scan, placed: dict, sched: Schedule, hw: Hardware,
     else:
         host, link = 2 * offloaded / hw.host_link, 3 * gather + exchange_s
     n = scan.layers
-    return Terms(device=n * kept, host=n * offloaded,
-                 prefetch=offloaded if sched.pipelined else 0.0,
+    return Terms(device=n * kept, prefetch=offloaded if sched.pipelined else 0.0,
                  compute_s=n * (forward_s + backward_s), recompute_s=n * flops / hw.rate,
-                 host_s=n * host, link_s=n * link)
+                 host=n * offloaded, host_s=n * host, link_s=n * link)
 
 
 def estimated_recompute(scan: Scan, placed: dict) -> tuple[float, float]:
@@ -243,8 +240,7 @@ def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
 
 
 def _front(options: list) -> list:
-    """The (table, Terms) pairs that no other pair beats or equals in every additive term
-    (device bytes, host bytes, prefetch bytes, seconds), ties kept once."""
+    """The (table, Terms) pairs no other beats or equals in every additive term, ties kept once."""
     keys = np.array([(a.device, a.host, a.prefetch, a.compute_s + a.host_s + a.link_s)
                      for _, a in options])
     keys, first = np.unique(keys, axis=0, return_index=True)
@@ -257,9 +253,8 @@ def _front(options: list) -> list:
 
 
 def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Prediction]:
-    """Every candidate over these workloads (`works`: one per micro batch and mesh) and
-    schedules, recompute summed per tag, each scan's dominated tables pruned first (memory and
-    time add up over scans), ranked (`rank`)."""
+    """Every candidate over `works` (per micro batch and mesh) and `schedules`, ranked; recompute
+    summed per tag, each scan's dominated tables pruned first (Terms add up over scans)."""
     found = []
     for work in works.values():
         exhaustive = max(2 * 3 ** (len(s.tags) - 1) for s in work.scans) <= EXHAUSTIVE
@@ -297,8 +292,7 @@ def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
     out = ["preset=remat", f"per_device_batch={candidate.batch}", "global_batch=0",
            f"optimizer_state={candidate.optimizer_state}"]
     if candidate.mesh is not None:
-        out += [f"mesh.{axis}={n}" for axis, n in zip(("data", "fsdp", "expert"),
-                                                      candidate.mesh)]
+        out += [f"mesh.{a}={n}" for a, n in zip(("data", "fsdp", "expert"), candidate.mesh)]
     for scan in scans:
         out += [f"placement.{scan}.{t}={p}" for t, p in candidate.table(scan).items()]
     sched = candidate.schedule

@@ -9,8 +9,7 @@ the plan) and study/gpus.py. A MoE model's expert-parallel degrees are traced ap
 its own memory, collectives and all-to-alls; the recompute each tag saves is traced at the
 experiment's own degree and used for every degree (per device it barely depends on it). The
 fast model (study/search.py) only ranks; `search.verify=N` compiles the best N and the model's
-registered rows and ranks those by the replay of their compiled programs (study/replay.py).
-"""
+registered rows and ranks those by the replay of their compiled programs (study/replay.py)."""
 
 import dataclasses
 import functools
@@ -50,8 +49,7 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
 
 
 class Tracer:
-    """One experiment's step traced at each micro batch and expert-parallel degree the search
-    asks for (a TracedStep each), and the search's inputs read from them."""
+    """An experiment traced per micro batch and expert-parallel degree, and the search's inputs."""
 
     def __init__(self, experiment: Experiment):
         self.model, self.run = experiment.model, experiment.run
@@ -70,8 +68,7 @@ class Tracer:
         if (batch, expert) not in self.steps:
             data, fsdp, _ = self.mesh(expert)
             mesh = dataclasses.replace(self.run.mesh, fsdp=fsdp, expert=expert)
-            run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0,
-                                      mesh=mesh)
+            run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0, mesh=mesh)
             self.steps[batch, expert] = TracedStep(self.model, run, (data, fsdp, expert))
         return self.steps[batch, expert]
 
@@ -145,9 +142,7 @@ def tracer_for(experiment: Experiment) -> Tracer:
     traced = dataclasses.replace(experiment.run, preset="", placement=None, xla_flags=None,
                                  per_device_batch=1, global_batch=0, device="")
     key = (experiment.model, dataclasses.astuple(traced))
-    if key not in _TRACERS:
-        _TRACERS[key] = Tracer(experiment)
-    return _TRACERS[key]
+    return _TRACERS.setdefault(key, Tracer(experiment))
 
 
 def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
@@ -161,9 +156,8 @@ def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
 
 def hardware(gpu: Gpu, devices: int) -> search.Hardware:
     rate = gpu.peaks["bf16"] * gpu.efficiency.get("bf16", 1.0)
-    return search.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices,
-                           pool_bytes(gpu), gpu.host_memory, gpu.network,
-                           gpu.domain_size(devices))
+    return search.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices, pool_bytes(gpu),
+                           gpu.host_memory, gpu.network, gpu.domain_size(devices))
 
 
 def exact(tracer: Tracer, candidate: search.Candidate, hw: search.Hardware):
@@ -180,7 +174,6 @@ class Result:
     batches: list[int]
     ranked: list[search.Prediction]  # every candidate searched, best first
     rows: list[search.Prediction]  # the study's rows, exact
-    searched: int
     seconds: float
 
 
@@ -196,11 +189,10 @@ def batches_of(experiment: Experiment, text: str) -> list[int]:
 
 
 def experts_of(experiment: Experiment, text: str) -> list[int]:
-    """Expert-parallel degrees: given, or for a MoE model every power of two from 2 that
-    divides its experts and the devices the data axis leaves, up to one NVLink domain (and its
-    own). Not 1 unless asked: without expert parallelism a GPU computes the experts with
-    `ragged_dot`, which XLA expands past any GPU's memory at full scale (docs/search.md), and
-    the fast model cannot see that."""
+    """Expert-parallel degrees: given, or for a MoE model its own and every power of two from 2 up
+    to one NVLink domain that divides its experts and the devices the data axis leaves. Not 1 unless
+    asked: without expert parallelism a GPU computes the experts with `ragged_dot`, which XLA
+    expands past any GPU's memory at full scale (docs/search.md), unseen by the fast model."""
     run, model = experiment.run, experiment.model
     per_replica = run.mesh.devices // run.mesh.data
     if not isinstance(model, DeepSeekConfig):
@@ -236,10 +228,9 @@ def run_search(experiment: Experiment, options: dict, clock) -> Result:
     ranked = search.search(works, hw, [search.Schedule(True), search.Schedule(True, True)])
     # Count the leaders' recompute on their own traces until the leaders are all counted so.
     while (todo := [p for p in ranked[:int(options["exact"])] if p.fits and not p.exact]):
-        ranked = search.rank([exact(tracer, p.candidate, hw) if p in todo else p
-                              for p in ranked])
+        ranked = search.rank([exact(tracer, p.candidate, hw) if p in todo else p for p in ranked])
     return Result(experiment, hw, batches, ranked, [exact(tracer, c, hw) for c in rows],
-                  len(ranked), clock() - started)
+                  clock() - started)
 
 
 def placement_text(candidate: search.Candidate, scans) -> str:
@@ -268,17 +259,12 @@ def _line(p: search.Prediction, rank: str, scans) -> str:
             f"{c.row or placement_text(c, scans)}")
 
 
-HEADER = (f"{'rank':>5} {'mb':>3} {'schedule':<14}{'device':>8}{'host':>8}{'step s':>8}"
-          f"{'TFLOP/s':>9}{'study':>7}{'recomp':>8}{'host s':>7}{'link s':>7}  "
-          "fit   placement (D device, H host; the rest recomputed)")
-
-
 def report_lines(result: Result, top: int) -> list[str]:
     hw, e = result.hw, result.experiment
     scans = list(families.of(e.model).SCANS)
     lines = [
         f"placement search: {e.name} on {hw.devices} x {hw.name}, micro batches "
-        f"{','.join(map(str, result.batches))}; {result.searched} candidates, "
+        f"{','.join(map(str, result.batches))}; {len(result.ranked)} candidates, "
         f"{sum(p.fits for p in result.ranked)} fit {hw.capacity / GiB:.1f} GiB "
         f"(JAX's pool) and {hw.host_capacity / GiB:.0f} GiB host; {result.seconds:.1f} s",
         f"fast time model (ranking only; search.verify=N replays the compiled programs): dot "
@@ -286,13 +272,15 @@ def report_lines(result: Result, top: int) -> list[str]:
         f"NVLink {hw.nvlink / 1e9:.0f} GB/s, host link {hw.host_link / 1e9:.0f} GB/s each way",
         "GiB per device; TFLOP/s/device by MaxText's formula; seconds per step: recompute, and "
         "exposed host transfers and NVLink collectives; ~: recompute summed per tag (the rest "
-        "counted on their own trace)", HEADER]
+        "counted on their own trace)",
+        f"{'rank':>5} {'mb':>3} {'schedule':<14}{'device':>8}{'host':>8}{'step s':>8}"
+        f"{'TFLOP/s':>9}{'study':>7}{'recomp':>8}{'host s':>7}{'link s':>7}  "
+        "fit   placement (D device, H host; the rest recomputed)"]
     lines += [_line(p, str(i + 1), scans) for i, p in enumerate(result.ranked[:top])]
     lines += ["the study's rows (and registered rows of this model), counted on their traces:"]
     lines += [_line(p, "row", scans) for p in result.rows]
-    front = search.pareto(result.ranked + result.rows)
     lines += ["Pareto front (least device memory for the throughput):"]
-    lines += [_line(p, "pareto", scans) for p in front]
+    lines += [_line(p, "pareto", scans) for p in search.pareto(result.ranked + result.rows)]
     return lines + best_lines(result, scans)
 
 
@@ -342,8 +330,7 @@ def verified_lines(found: list[Verified], capacity: int) -> list[str]:
 
 
 def write_plot(result: Result, out_dir: str) -> str:
-    """Every fitting candidate and the Pareto front as a PNG beside the runs (device memory vs
-    predicted TFLOP/s/device, host bytes as colour, the study's rows marked); needs matplotlib."""
+    """Every fitting candidate, the study's rows and the Pareto front as a PNG beside the runs."""
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -2,11 +2,10 @@
 
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]
 
-Each row is compiled once for its GPUs on compile-only devices (as `make compile-ROW` does; or
-its optimized HLO read from DIR/<row>.hlo, written there by an earlier run with --hlo), its step
-replayed (study/replay.py) and compared with the study: TFLOP/s/device per row, then the
-study's five ratios, each a hit when within 3 percentage points. Last, the efficiency fit of
-study/gpus.py: each precision class on the one study row named for it.
+Each row is compiled for its GPUs on compile-only devices (or its optimized HLO read from
+DIR/<row>.hlo, written there by an earlier run with --hlo), its step replayed (study/replay.py)
+and compared with the study: TFLOP/s/device per row, the study's ratios (a hit within 3 points),
+what-ifs, and the efficiency fit of study/gpus.py (each precision class on its FIT_ON row).
 """
 
 import dataclasses

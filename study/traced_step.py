@@ -1,12 +1,9 @@
-"""One training step as abstract values, traced once: what the memory plan, the placement list,
-the placement search and the replay all read.
+"""One training step as abstract values, read by the memory plan, placement list, search, replay.
 
 A `TracedStep` is (model, run) at the run's micro batch on an abstract mesh of the given shape
 (nothing allocated, no device needed): the sharded abstract state and batch, and one device's
-share of the step traced alone. Each view of it (the tag sites, what the backward pass reads,
-the residuals and offloads of a placement, the exported program, the work) is traced on first
-use and kept: a report that needs it twice traces it once. MoE experts are traced as a GPU
-computes them (target "any": grouped GEMMs, or under expert parallelism one per local expert).
+share of the step traced alone, each view traced on first use and kept. MoE experts are traced
+as a GPU computes them (target "any": grouped GEMMs, or one per local expert if expert-parallel).
 """
 
 import dataclasses
@@ -76,8 +73,7 @@ class TracedStep:
         return dataclasses.replace(spec, shape=tuple(shape))
 
     def loss(self, tables: dict | None, rules: common.AxisRules | None = None):
-        """The loss under `tables` as a function of (params, batch): of the sharded step
-        (`rules`), or of one device's share traced alone (no mesh)."""
+        """The loss under `tables` of (params, batch): the sharded step's, or one device's alone."""
         with_aux = program.make_loss(self.model, self.run, tables, rules, target=ANY)
         return lambda params, batch: with_aux(params, batch)[0]
 
@@ -92,8 +88,7 @@ class TracedStep:
     @property
     @_traced_once
     def needed(self) -> set[tuple[str, str]]:
-        """(scan, tag) of every tag the backward pass reads: with everything offloaded, exactly
-        those are moved to host."""
+        """(scan, tag) of every tag the backward pass reads: what moves when all are offloaded."""
         everything = {s: {t: "offload" for t in tags} for s, tags in self.family.SCANS.items()}
         return {(v.scan, v.tag) for v in self.moved(everything)}
 
@@ -110,8 +105,7 @@ class TracedStep:
 
     @_traced_once
     def exported(self, tables: dict | None) -> set[tuple[str, str]]:
-        """(scan, tag) of what the sharded step, exported for a GPU, offloads under `tables`
-        (checked against the traced program: study/placement.py)."""
+        """(scan, tag) the sharded step exported for a GPU offloads under `tables` (verified)."""
         step = program.make_step(self.model, self.run, tables, self.rules, self.optimizer, ANY)
         return placement.verify_offloads(step, self.state, self.batch)
 
@@ -122,9 +116,8 @@ class TracedStep:
                           self.batch, devices=self.devices)
 
     def gathered_layer_bytes(self, scan: str) -> int:
-        """One layer's weights as FSDP all-gathers them (in the compute dtype), which is also
-        its gradients' reduce-scatter; under expert parallelism, a device's own experts (not
-        gathered at all without an fsdp axis)."""
+        """One layer's weights as FSDP all-gathers (and reduce-scatters) them, in the compute dtype;
+        under expert parallelism a device's own experts (not gathered without an fsdp axis)."""
         return self.compute_bytes * sum(math.prod(s.shape[1:]) for s in self.specs[scan].values()
                                         if self.fsdp > 1 or not self.split_by_expert(s))
 

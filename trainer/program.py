@@ -18,9 +18,9 @@ from trainer.target import ANY, Target, compiler_options, forward_options, quant
 
 
 def make_mesh(run: RunConfig, devices) -> jax.sharding.Mesh:
-    """The run's data x fsdp x expert mesh over `devices` in their order: the expert axis
-    innermost, so each expert group is mesh.expert consecutive devices: neighbours, inside one
-    NVLink domain when processes take consecutive ranks by host (docs/model.md)."""
+    """The run's data x fsdp x expert mesh over `devices` in their order, the expert axis
+    innermost: each expert group is mesh.expert consecutive devices (one NVLink domain when
+    processes take consecutive ranks by host), so its exchanges stay among them (docs/model.md)."""
     return common.make_mesh(run.mesh.shape(len(devices)), MESH_AXES, devices)
 
 
@@ -36,8 +36,7 @@ def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
     if run.optimizer_state == "host":  # the moments; the step counts (0-d) stay on device
         opt_shardings = jax.tree.map(lambda a, s: s.with_memory_kind("pinned_host") if a.ndim
                                      else s, opt_state, opt_shardings)
-    shapes = {"params": params, "opt_state": opt_state,
-              "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    shapes = {"params": params, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, shardings)
@@ -75,8 +74,7 @@ def make_loss(model, run: RunConfig, placement: dict | None, rules, target: Targ
 
 def make_step(model, run: RunConfig, placement: dict | None, rules, optimizer, target: Target):
     if run.optimizer_state == "host":
-        adamw = optimizer_parts(run.optimizer, run.steps)[1]
-        update = host_update(run.optimizer.clip_norm, adamw, families.of(model).SCANS)
+        update = host_update(*optimizer_parts(run.optimizer, run.steps), families.of(model).SCANS)
     else:
         update = device_update(optimizer)
     step = partial(train_step, loss=make_loss(model, run, placement, rules, target),

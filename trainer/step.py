@@ -24,9 +24,9 @@ def cross_entropy(logits, targets):
 
 def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=None):
     """`cross_entropy` of the final norm and LM head's logits of x [B, T, D], T/chunks
-    positions of every sequence at a time. A chunk's [B, T/chunks, V] fp32 logits exist only
-    while it runs and again in the backward pass (recomputed: one more LM-head GEMM), instead
-    of all B x T x V logits and their gradient at once (docs/model.md: the sizes)."""
+    positions of every (batch-sharded) sequence at a time. A chunk's [B, T/chunks, V] fp32
+    logits exist only while it runs and again in the backward pass (recomputed: one more
+    LM-head GEMM), not all B x T x V logits and their gradient at once (docs/model.md: sizes)."""
     def loss(x, targets):
         return cross_entropy(unembed(x, params["final_norm"], params["lm_head"], eps), targets)
 
@@ -35,7 +35,6 @@ def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=Non
 
     if chunks == 1:
         return loss(x, targets)
-    # Chunks along the sequence, so each holds every (batch-sharded) sequence.
     xs = constrain(rearrange(x, "b (c t) d -> c b t d", c=chunks), rules,
                    (None, "batch", "seq", None))
     ts = rearrange(targets, "b (c t) -> c b t", c=chunks)
@@ -60,8 +59,7 @@ def loss_fn(params, batch, key=None, *, model, policies, rules, dtype, balance_w
 
 def update_router_bias(params, expert_load, rate: float):
     """DeepSeek-V3's auxiliary-loss-free balancing: after each step, every expert's selection
-    bias moves by `rate` towards balance (up if it got fewer tokens than the mean, down if
-    more). It is not a gradient step: the bias never receives a gradient."""
+    bias moves by `rate` towards balance. It is not a gradient step: the bias never gets one."""
     load = expert_load.astype(jnp.float32)
     step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
     moe = params["moe_layers"]

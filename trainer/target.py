@@ -51,11 +51,9 @@ def this_machine() -> Target:
 
 
 def forward_options(model, run: RunConfig, target: Target) -> dict:
-    """The forward arguments that depend on the target: the attention kernel (cuDNN's fused
-    one on GPUs in bf16/fp16, XLA's elsewhere, and always on target "any"), the NVFP4 path
-    and, for MoE models, how routed experts are computed (grouped GEMMs on accelerators; every
-    expert densely on CPUs, where ragged_dot is slow) or, with mesh.expert > 1, split over
-    the expert axis."""
+    """The forward arguments that depend on the target: the attention kernel, the NVFP4 path
+    and, for MoE models, the routed experts' path (dense on CPUs, where ragged_dot is slow) or,
+    with mesh.expert > 1, their split over the expert axis."""
     attention = "xla" if target.platform == "any" else run.attention
     if attention == "auto":
         fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
@@ -72,8 +70,7 @@ def forward_options(model, run: RunConfig, target: Target) -> dict:
 
 
 def quantization(run: RunConfig, target: Target) -> quant.Quantization | None:
-    """NVFP4 products on Blackwell's FP4 tensor cores, else codes times scales and a GEMM in
-    the compute dtype (the same numbers)."""
+    """NVFP4 products on Blackwell's FP4 tensor cores, else dequantized (the same numbers)."""
     if run.quant == "none":
         return None
     return quant.Quantization("scaled" if target.blackwell else "dequantize",
