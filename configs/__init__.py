@@ -86,7 +86,8 @@ class RunConfig:
     xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
     quant: str = "none"  # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
     quant_tiles: str = "16x16"  # weight block scales per 16x16 tile (TE's recipe) or 1x16 block
-    quant_backward: str = "fp4"  # Dgrad and Wgrad in NVFP4 too (TE's recipe) | bf16 (JAX's)
+    # fp4: Dgrad and Wgrad in NVFP4 too (TE's recipe); bf16: the forward only (JAX's own).
+    quant_backward: str = "fp4"
     data: DataConfig = DataConfig()
     seed: int = 0
     scale: str = "auto"

@@ -25,10 +25,11 @@ PROXY_V3 = dataclasses.replace(
 # The study gives no DeepSeek sequence length: 4096, the model's original context, is assumed.
 # The mesh and expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs (docs/study.md):
 # each expert group's 8 GPUs are two NVL72 trays in one NVLink domain; capacity factor 1.0: blocks
-# of the balanced share, the surplus dropped and counted. The loss in 8 chunks (docs/model.md: why).
+# of the balanced share, the surplus dropped and counted. bf16 activations (the default), the loss
+# in 8 chunks (docs/model.md: why).
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10, mesh=MeshConfig(fsdp=16, expert=8),
                      preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8, checkpoint_every=0)
-# A row: its name, summary and what it changes of STUDY_V3.
+# Registers a row: its name, summary and what it changes of STUDY_V3.
 _deepseek = partial(register, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
 
 _deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",

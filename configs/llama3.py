@@ -25,7 +25,7 @@ PROXY_405B = _proxy(LLAMA31_405B, n_heads=16, n_kv_heads=1, head_dim=32, d_ff=16
 # the loss in 8 chunks (docs/model.md); no checkpoints in 10 steps (checkpoint_every=N adds them).
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(fsdp=128),
                        quant="nvfp4", loss_chunks=8, checkpoint_every=0)
-# A row: its name, summary and what it changes of STUDY_405B.
+# Registers a row: its name, summary and what it changes of STUDY_405B.
 _llama405b = partial(register, model=LLAMA31_405B, proxy_model=PROXY_405B, run=STUDY_405B)
 
 _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",

@@ -16,8 +16,9 @@ def _common(hf: dict, theta: float, max_position: int) -> dict:
     """The fields both families read alike (a missing optional key: HF's default)."""
     return dict(vocab=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
                 n_layers=int(hf["num_hidden_layers"]), n_heads=int(hf["num_attention_heads"]),
-                d_ff=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                max_position=int(hf.get("max_position_embeddings", max_position)), rope_theta=theta)
+                d_ff=int(hf["intermediate_size"]), rope_theta=theta,
+                max_position=int(hf.get("max_position_embeddings", max_position)),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
 
 
 def _llama(hf: dict) -> LlamaConfig:
@@ -63,8 +64,9 @@ def _deepseek(hf: dict) -> DeepSeekConfig:
         kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_dim=int(hf["qk_nope_head_dim"]),
         qk_rope_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
         moe_d_ff=int(hf["moe_intermediate_size"]), n_experts=int(hf["n_routed_experts"]),
-        experts_per_token=int(hf["num_experts_per_tok"]), topk_groups=int(hf.get("topk_group", 4)),
+        experts_per_token=int(hf["num_experts_per_tok"]),
         n_shared_experts=int(hf.get("n_shared_experts", 1)), n_groups=int(hf.get("n_group", 8)),
+        topk_groups=int(hf.get("topk_group", 4)),
         routed_scaling=float(hf.get("routed_scaling_factor", 2.5)),
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)), rope_scaling=_yarn(hf, rope, kind),
         rope_interleave=bool(hf.get("rope_interleave", rope.get("rope_interleave", True))))

@@ -67,7 +67,8 @@ class AxisRules:
 
 
 def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:
-    """The first prod(shape) `devices` (default all), axes Auto: XLA propagates our hints."""
+    """The first prod(shape) `devices` (default all) in their order, axes Auto: XLA propagates
+    our hints."""
     devices = np.asarray(jax.devices() if devices is None else devices, dtype=object)
     return Mesh(devices[:math.prod(shape)].reshape(shape), names,
                 axis_types=(AxisType.Auto,) * len(names))
@@ -220,7 +221,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     repeat-interleave GQA mapping; the softmax runs in fp32. `implementation="cudnn"` (GPUs,
     bf16) is cuDNN's fused flash kernel, which never stores the [B, N, T, S] scores and takes a
     narrower v as it is (MLA: 192 for q and k, 128 for v). None is XLA's reference path (JAX
-    0.12 does not pick cuDNN by itself), which wants one head dim: a narrower v is zero-padded."""
+    0.12 does not pick cuDNN by itself), which wants one head dim: a narrower v is padded with
+    zero columns, whose outputs are zero and sliced off."""
     if implementation == "cudnn":
         # JAX 0.12's public dot_product_attention refuses H' != H before reaching this
         # kernel, which supports it (cuDNN >= 9.10 on Hopper and later).

@@ -47,8 +47,10 @@ EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Routed experts split over `devices` devices, E/devices each, each expert one dense GEMM
-    over the blocks it receives. `capacity` sizes a block as a multiple of the balanced share
+    """Routed experts split over `devices` devices, E/devices each. Every device sends its
+    (token, expert) pairs, a fixed-size block per expert, to the devices holding those experts
+    and gets the outputs back (two all-to-alls); each expert is one dense GEMM over its blocks.
+    `capacity` sizes a block as a multiple of the balanced share
     S*k/E of a device's S tokens; 0 sizes it for the worst case, S rows (every token choosing
     that expert): dropless whatever the routing, at E/k times the memory."""
     devices: int

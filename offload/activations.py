@@ -29,7 +29,8 @@ _MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 _DSV3 = ("dense_layers.mlpwi_0", "dense_layers.mlpwi_1", "dense_layers.mlpwo",
          "moe_layers.query_wa_proj", "moe_layers.kv_wa_proj", "moe_layers.moe_mlpwi_0",
          "moe_layers.moe_mlpwi_1")
-# Keyed as placement()'s `changes`. "none" turns checkpointing off (autodiff keeps everything).
+# Named placements, keyed as placement.<key>= overrides: `tag` for every scan that has it,
+# `scan.tag` for one. "none" turns checkpointing off (autodiff keeps everything).
 PRESETS: dict[str, dict] = {
     "remat": {},
     "minimal": dict.fromkeys(_MINIMAL, "device"),
@@ -44,7 +45,7 @@ NO_CHECKPOINT = "none"
 def presets_for(scan_tags: Mapping) -> list[str]:
     """The presets that name only scans this model has."""
     return [name for name, table in PRESETS.items()
-            if {key.rpartition(".")[0] for key in table} <= {"", *scan_tags}]
+            if {key.rpartition(".")[0] for key in table} <= {"", *scan_tags}]  # "": any scan
 
 
 def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:

@@ -50,7 +50,7 @@ def _by_layer(adamw, grads, state, params):
     activations: so a step holds the state twice in host memory). Each layer's update is
     written over its gradient, and added to the weights after the loop: no third copy of the
     weights on the device. 0-d leaves (the step counts) are the same for every layer."""
-    def at(tree, i):  # every leaf of a layer scan is stacked
+    def at(tree, i):  # grads and params: every leaf of a layer scan is stacked
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
     def layer(grads, xs):

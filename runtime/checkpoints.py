@@ -25,7 +25,7 @@ from hf.save import DTYPES, write_checkpoint
 from model import common, families
 
 # Each process writes whole shards: Orbax's replica-parallel saving slices each replicated
-# shard eagerly, one XLA program per slice shape (slow on CPUs; Orbax turns it off on GPUs).
+# shard eagerly, one XLA program per slice shape (seconds per save on CPUs; off on GPUs).
 _absl = logging.getLogger("absl")
 _level = _absl.level
 _absl.setLevel(logging.ERROR)  # Orbax warns of the override, in every process
@@ -230,7 +230,8 @@ class StopRequests:
     process stop at the same step, and Ctrl-C keeps its usual meaning."""
 
     def __init__(self):
-        self.signal, self.previous, self.multi = None, {}, jax.process_count() > 1
+        self.signal, self.previous = None, {}
+        self.multi = jax.process_count() > 1
 
     def __enter__(self) -> "StopRequests":
         # One process stopping alone would leave the others waiting in a collective.

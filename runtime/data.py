@@ -34,7 +34,8 @@ class TokenFile:
         if size == 0 or size % np.dtype(dtype).itemsize:
             raise DataError(f"data.path={path!r}: {size} bytes is not a whole number of "
                             f"{dtype} tokens")
-        self.tokens, self.seed = np.memmap(path, dtype=dtype, mode="r"), seed
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seed = seed
         if len(self.tokens) < seq + 1:
             raise DataError(f"data.path={path!r}: {len(self.tokens)} tokens, fewer than one "
                             f"window of seq+1={seq + 1}")

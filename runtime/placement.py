@@ -88,8 +88,9 @@ class CompiledMemory:
 
     @classmethod
     def of(cls, compiled, arrived: int = 0) -> "CompiledMemory":
-        """`arrived` leaves the device arguments: compile-only GPUs have no memory kinds, and
-        on a GPU that state (optimizer_state=host) arrives in host memory."""
+        """`arrived`: bytes of host optimizer state (optimizer_state=host) a compile-only program
+        takes as device arguments (no memory kinds there), taken off `arguments`: on a GPU that
+        state arrives in host memory."""
         stats = compiled.memory_analysis()
         host = (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
                 - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)

@@ -68,7 +68,7 @@ class Shape:
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
-    """`text` split at `sep` outside brackets and quotes."""
+    """`text` split at `sep` outside brackets and quotes (unbalanced brackets: ValueError)."""
     parts, depth, quoted, start = [], 0, False, 0
     for i, ch in enumerate(text):
         if ch == '"' and (i == 0 or text[i - 1] != "\\"):
@@ -161,6 +161,7 @@ def parse_instruction(line: str) -> Instruction | None:
     if match is None:
         return None
     root, name, rest = match.groups()
+    # rest: SHAPE opcode(OPERANDS), key=value, ... (XLA separates them by single spaces)
     shape, call, *attributes = _split_top(rest, " ")
     opcode, _, args = call.removesuffix(",").partition("(")
     operands, literal = [], ""

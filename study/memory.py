@@ -101,8 +101,10 @@ def tag_lines(step: TracedStep, tables: dict | None,
               compiled_hlo: str | None = None) -> list[TagLine]:
     """Every tag of every layer scan as the exported GPU program places it (given its HLO, XLA)."""
     exported = step.exported(tables)
-    in_host = None if compiled_hlo is None else placement.compiled_host_buffers(
-        compiled_hlo, step.moved(tables), host_state_buffers(step))  # (scan, tag) -> its proof
+    in_host = None  # (scan, tag) -> the addressing proof of its host buffer
+    if compiled_hlo is not None:
+        in_host = placement.compiled_host_buffers(compiled_hlo, step.moved(tables),
+                                                  host_state_buffers(step))
     tables = tables or {}
     return [TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"), (s.scan, s.tag) in step.needed,
                     (s.scan, s.tag) in exported,

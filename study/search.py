@@ -185,9 +185,10 @@ def scan_terms(scan: Scan, placed: dict, sched: Schedule, hw: Hardware,
     else:
         host, link = 2 * offloaded / hw.host_link, 3 * gather + exchange_s
     n = scan.layers
-    return Terms(device=n * kept, prefetch=offloaded if sched.pipelined else 0.0,
+    return Terms(device=n * kept, host=n * offloaded,
+                 prefetch=offloaded if sched.pipelined else 0.0,
                  compute_s=n * (forward_s + backward_s), recompute_s=n * flops / hw.rate,
-                 host=n * offloaded, host_s=n * host, link_s=n * link)
+                 host_s=n * host, link_s=n * link)
 
 
 def estimated_recompute(scan: Scan, placed: dict) -> tuple[float, float]:

@@ -74,7 +74,8 @@ def make_loss(model, run: RunConfig, placement: dict | None, rules, target: Targ
 
 def make_step(model, run: RunConfig, placement: dict | None, rules, optimizer, target: Target):
     if run.optimizer_state == "host":
-        update = host_update(*optimizer_parts(run.optimizer, run.steps), families.of(model).SCANS)
+        clip, adamw = optimizer_parts(run.optimizer, run.steps)
+        update = host_update(clip, adamw, families.of(model).SCANS)
     else:
         update = device_update(optimizer)
     step = partial(train_step, loss=make_loss(model, run, placement, rules, target),
