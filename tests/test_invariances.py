@@ -16,8 +16,7 @@ from study.jaxpr import tagged_values
 from study.traced_step import TracedStep, freeze
 from conftest import (TINY_DEEPSEEK, TINY_LLAMA, assert_trees_close, one_device_params,
                       tokens)
-from model import common, deepseek, llama
-from model.config import LlamaConfig
+from model import common, deepseek, families, llama
 from offload import activations
 from trainer.program import make_loss
 from trainer.target import Target
@@ -114,7 +113,7 @@ EXPORTED = {"llama": ("llama405b-offload", activations.presets_for(llama.SCANS))
 
 
 def family_of(experiment) -> str:
-    return "llama" if isinstance(experiment.model, LlamaConfig) else "deepseek"
+    return families.of(experiment.model).__name__.removeprefix("model.")
 
 
 # The rows with their own tag changes over a preset: (family, preset, changes).
