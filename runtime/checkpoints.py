@@ -48,7 +48,7 @@ def _read(step_dir: Path, **items) -> dict:
     """Items of one step folder (a reader: it never creates, writes or deletes anything)."""
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
-            return reader.restore(step_dir, args=ocp.args.Composite(**items))
+            return reader.restore(step_dir.absolute(), args=ocp.args.Composite(**items))
     except Exception as e:  # Orbax and TensorStore raise many types for damaged files
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]  # often pages long
         raise CheckpointNotFound(f"checkpoint {step_dir} does not read back: {first}") from None
@@ -110,19 +110,20 @@ def _run_order(run_dir: Path) -> tuple[str, int]:
     return (stamp[1], int(stamp[2] or 0)) if stamp else ("", 0)
 
 
-def find(target: str, out_dir: str, run_prefix: str) -> Source:
-    """The checkpoint `resume=target` names: `latest` (the newest `run_prefix-*` folder under
-    `out_dir` with a complete checkpoint), a run folder, a checkpoint directory or a step folder."""
+def find(target: str, out_dir: str, run_prefix: str, said: str = "resume=") -> Source:
+    """The checkpoint `target` names (`said` is how the command line gave it): `latest` (the
+    newest `run_prefix-*` folder under `out_dir` with a complete checkpoint), a run folder, a
+    checkpoint directory or a step folder."""
     if target == "latest":
         runs = sorted(Path(out_dir).glob(f"{run_prefix}-*"), key=_run_order, reverse=True)
         for run_dir in runs:
             if steps := _complete_steps(run_dir / "checkpoints"):
                 return Source(run_dir / "checkpoints", tuple(steps), False)
-        raise CheckpointNotFound(f"resume=latest: no run folder {out_dir}/{run_prefix}-* holds a "
+        raise CheckpointNotFound(f"{said}latest: no run folder {out_dir}/{run_prefix}-* holds a "
                                  "complete checkpoint")
     path = Path(target)
     if not path.exists():
-        raise CheckpointNotFound(f"resume={target}: no such file or directory")
+        raise CheckpointNotFound(f"{said}{target}: no such file or directory")
     if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
         return Source(path.parent, (int(path.name),), True)
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -130,7 +131,7 @@ def find(target: str, out_dir: str, run_prefix: str) -> Source:
         return Source(directory, tuple(steps), False)
     partial = [p.name for p in directory.glob("*.orbax-checkpoint-tmp*")]
     why = f"only an unfinished save ({partial[0]})" if partial else "no complete checkpoint"
-    raise CheckpointNotFound(f"resume={target}: {why} in {directory}")
+    raise CheckpointNotFound(f"{said}{target}: {why} in {directory}")
 
 
 def check_outputs(setup, batch_size: int) -> Source | None:
@@ -207,7 +208,7 @@ class Saver:
 
     def save(self, step: int, state: dict, meta: dict) -> None:
         if self.manager is None:
-            self.manager = ocp.CheckpointManager(self.directory, options=(
+            self.manager = ocp.CheckpointManager(self.directory.absolute(), options=(
                 ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
                                              enable_async_checkpointing=True)))
         self.manager.save(step, force=True, args=ocp.args.Composite(
@@ -267,7 +268,7 @@ def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
     if target == "latest":
         raise ConfigError("export needs the checkpoint's path (a run folder, a checkpoint "
                           "directory or one step folder), not latest")
-    source = find(target, "", "")
+    source = find(target, "", "", "export ")
     meta = source.meta(source.steps[0])
     cfg = from_hf(meta["hf_config"])
     # On the host's memory: a GPU would not hold a whole large model.

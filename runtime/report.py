@@ -8,7 +8,6 @@ import math
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -40,10 +39,10 @@ def model_line(cfg) -> str:
     return f"{shape}: {count:,} parameters"
 
 
-def _placement_line(tables: dict | None) -> str:
+def _placement_line(preset: str, tables: dict | None) -> str:
     if tables is None:
         return "none: no checkpointing, autodiff keeps every residual on device"
-    return "; ".join(f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
+    return f"{preset}: " + "; ".join(f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
                      for scan, table in tables.items()) + "; all else remat"
 
 
@@ -128,8 +127,10 @@ def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
                  first_step: int) -> None:
     """The run header as (key, value) rows, then where each offloaded activation lives."""
     run, full, target = setup.run, setup.experiment, built.target
-    scale = ("PROXY -- a small model of the same family, not the study's numbers"
-             if setup.scale == "proxy" else "FULL -- the study's model and run settings")
+    own = full.model == full.proxy_model  # an experiment at one size (shakespeare)
+    scale = ("FULL -- the experiment's model and run settings" if setup.scale == "full" else
+             "PROXY -- its own model, with CPU settings" if own else
+             "PROXY -- a small model of the same family, not the study's numbers")
     compute = run.compute_dtype
     if setup.scale == "proxy" and compute != full.run.compute_dtype:
         compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
@@ -137,20 +138,21 @@ def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
         ("experiment", f"{full.name}: {full.summary}"),
         ("scale", f"{scale}\n{'':12}({setup.scale_reason})"),
         ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
-        ("full scale", f"{model_line(full.model)}; its memory plan and GPU program: python -m "
-                       f"study plan|compile {full.name}"),
+        *([] if own else [("full scale", f"{model_line(full.model)}; its memory plan and GPU "
+                                         f"program: python -m study plan|compile {full.name}")]),
         ("devices", f"{target.description}, mesh {dict(built.mesh.shape)}"),
         ("batch", f"{batch_size} sequences x {run.seq} tokens "
                   f"({batch_size / len(target.devices):g} per device)"),
         ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                    "softmax, norms and loss float32"),
         ("kernels", kernels_line(setup.model, run, target)),
-        ("placement", f"{run.preset}: {_placement_line(setup.placement)}"),
+        ("placement", _placement_line(run.preset, setup.placement)),
         ("xla flags", flags_line(run, target)),
         ("memory", _memory_words(built, target)),
-        ("data", run.data.path or f"synthetic uniform tokens, seed {run.seed}"),
+        ("data", _data_words(setup, batch_size)),
         ("checkpoints", _checkpoint_words(setup, run_dir, first_step)),
-        ("compile", f"{built.compile_s:.1f} s; model {flops / 1e12:,.2f} TFLOP per "
+        ("compile", f"{built.compile_s:.1f} s (the step" + (" and the evaluation"
+                    if built.evaluate else "") + f"); model {flops / 1e12:,.2f} TFLOP per "
                     "device per step (MaxText's formula)"),
         ("output", str(run_dir.path)),
     ]
@@ -163,6 +165,21 @@ def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
         say("offloaded, per layer and device, in this run's compiled program:")
         say("\n".join(placement.placement_lines(built.offloaded, hlo)))
     say("=" * 100)
+
+
+def _data_words(setup, batch_size: int) -> str:
+    run, data = setup.run, setup.data
+    words = data.describe()
+    if data.unigram_entropy is not None:
+        words += (f"\n{'':12}unigram entropy {data.unigram_entropy:.4f} nats/token (the loss of a "
+                  "model that ignores the context)")
+    if run.eval_every:
+        words += (f"\n{'':12}evaluated every {run.eval_every} steps and after the last: the mean "
+                  f"loss over {run.eval_batches} x {batch_size} windows of val.bin spread evenly "
+                  f"over its {len(data.val.tokens):,} tokens, the same each time")
+    if run.tensorboard:
+        words += f"\n{'':12}metrics also as TensorBoard scalars (tensorboard/)"
+    return words
 
 
 def _checkpoint_words(setup, run_dir: RunDir, first_step: int) -> str:
@@ -184,9 +201,30 @@ def checkpoint_line(setup, run_dir: RunDir, path: Path, stopped_by) -> str:
             f"{' '.join([setup.experiment.name, *args])} resume={resume}")
 
 
+class NonFiniteLoss(ArithmeticError):
+    """A step's loss is NaN or infinite: the run stops (exit status 1)."""
+
+
+class TensorBoard:
+    """The step and eval metrics as TensorBoard scalars in <run>/tensorboard, each under its
+    metrics.jsonl name (tensorboardX, imported only here: an optional extra)."""
+
+    def __init__(self, folder: Path):
+        from tensorboardX import SummaryWriter
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, step: int, values: dict) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class StepLog:
-    """Each step's line (process 0) and metrics.jsonl record, its time counted from the previous
-    step's completion; with profile=true a trace of the run's second to fourth steps."""
+    """Each step's line (process 0), metrics.jsonl record and TensorBoard scalars, its time
+    counted from the previous step's completion, an evaluation's time not counted; with
+    profile=true a trace of the run's second to fourth steps."""
 
     def __init__(self, setup, built, run_dir: RunDir, batch_size: int, flops: float,
                  first_step: int):
@@ -194,17 +232,22 @@ class StepLog:
         self.tokens, self.first_step = batch_size * setup.run.seq, first_step
         self.host_planned = sum(v.nbytes * v.count for sites in built.offloaded.values()
                                 for v in sites)
+        self.entropy = setup.data.unigram_entropy
         last = min(first_step + 3, setup.run.steps)
         self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
+        self.tensorboard = (TensorBoard(run_dir.path / "tensorboard")
+                            if setup.run.tensorboard and run_dir.main else None)
         self.times: list[float] = []
+        self.eval_loss: float | None = None
         self.last = time.perf_counter()
 
     def starting(self, step: int) -> None:
         if self.run_dir.main and self.profiled and step == self.profiled[0]:
             jax.profiler.start_trace(str(self.run_dir.path / "profile"))
 
-    def finished(self, step: int, metrics) -> bool:
-        """Read a step's metrics (this waits for it); False if its loss is not finite."""
+    def record(self, step: int, metrics, evaluation=None) -> None:
+        """Wait for a step's metrics and time it; raise NonFiniteLoss for a loss that is not
+        finite; run `evaluation` (its time not the next step's); print, append and write."""
         values = {k: float(v) for k, v in metrics.items()}
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
@@ -213,22 +256,36 @@ class StepLog:
             jax.profiler.stop_trace()
             say(f"profile: {self.run_dir.path / 'profile'} (open in Perfetto or TensorBoard)")
         if not math.isfinite(values["loss"]):
-            print(f"error: loss is {values['loss']} at step {step}/{self.run.steps}; stopping",
-                  file=sys.stderr)
-            return False
-        tflops = self.flops / seconds / 1e12
+            raise NonFiniteLoss(f"loss is {values['loss']} at step {step}/{self.run.steps}")
+        values |= {"step_s": seconds, "tokens_per_s": self.tokens / seconds,
+                   "tflops_per_device": self.flops / seconds / 1e12}
+        if evaluation is not None:
+            self.eval_loss = values["eval_loss"] = evaluation()
+            values["eval_perplexity"] = math.exp(min(self.eval_loss, 700))
+            self.last = time.perf_counter()
+        say(self._line(step, values))
+        self.run_dir.append("metrics.jsonl", {"step": step, **values})
+        if self.tensorboard:
+            self.tensorboard.write(step, values)
+
+    def _line(self, step: int, values: dict) -> str:
         eta = statistics.median(self.times) * (self.run.steps - step)
-        experts = (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}, dropped "
-                   f"{values['expert_dropped']:.2%} (worst device's experts "
-                   f"{values['expert_dropped_worst_device']:.2%})" if "expert_dropped" in values
-                   else "")
-        say(f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss {values['loss']:.4f}"
-            f"  {seconds * 1e3:8.1f} ms  {self.tokens / seconds:10,.0f} tok/s  "
-            f"{tflops:8.3f} TFLOP/s/device  ETA {eta:5.1f} s{experts}")
-        self.run_dir.append("metrics.jsonl", {
-            "step": step, **values, "step_s": seconds, "tokens_per_s": self.tokens / seconds,
-            "tflops_per_device": tflops})
-        return True
+        line = (f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss "
+                f"{values['loss']:.4f}  {values['step_s'] * 1e3:8.1f} ms  "
+                f"{values['tokens_per_s']:10,.0f} tok/s  {values['tflops_per_device']:8.3f} "
+                f"TFLOP/s/device  ETA {eta:5.1f} s")
+        if "expert_dropped" in values:
+            line += (f"  experts max/mean {values['expert_load_max_over_mean']:.2f}, dropped "
+                     f"{values['expert_dropped']:.2%} (worst device's experts "
+                     f"{values['expert_dropped_worst_device']:.2%})")
+        if "eval_loss" in values:
+            line += (f"  eval loss {values['eval_loss']:.4f} (perplexity "
+                     f"{values['eval_perplexity']:,.1f})")
+        return line
+
+    def close(self) -> None:
+        if self.tensorboard:
+            self.tensorboard.close()
 
     def summary(self) -> dict:
         median = statistics.median(self.times[1:] or self.times)  # not step 1's warm-up
@@ -243,6 +300,10 @@ class StepLog:
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "host_offload_bytes_planned": self.host_planned,
         }
+        if self.eval_loss is not None:
+            result |= {"eval_loss": self.eval_loss,
+                       "eval_perplexity": math.exp(min(self.eval_loss, 700)),
+                       "unigram_entropy": self.entropy}
         peak = (_fmt_bytes(result["peak_device_bytes"]) if stats
                 else f"not reported by the {jax.default_backend()} backend")
         say("-" * 100)
@@ -256,6 +317,10 @@ class StepLog:
             f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
             f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded "
             f"activations {_fmt_bytes(self.host_planned)} per device (planned)")
+        if self.eval_loss is not None:
+            say(f"eval        loss {self.eval_loss:.4f} nats/token (perplexity "
+                f"{result['eval_perplexity']:,.1f}) after step {last}; the train split's "
+                f"unigram entropy: {self.entropy:.4f} nats/token")
         self.run_dir.write("summary.json", result)
         return result
 
@@ -266,6 +331,8 @@ def comparison(name: str, rows: list) -> None:
         return
     header = ["row", "preset", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
               "peak device GiB", "host offload GiB (planned)"]
+    evaluated = any("eval_loss" in summary for _, summary in rows)
+    header += ["eval loss", "eval perplexity"] if evaluated else []
     table = []
     for setup, summary in rows:
         flags = setup.run.xla_flags
@@ -276,6 +343,9 @@ def comparison(name: str, rows: list) -> None:
                       f"{summary['tflops_per_device']:.3f}",
                       "n/a" if peak is None else f"{peak / GiB:.2f}",
                       f"{summary['host_offload_bytes_planned'] / GiB:.2f}"])
+        if evaluated:
+            table[-1] += ([f"{summary['eval_loss']:.4f}", f"{summary['eval_perplexity']:.2f}"]
+                          if "eval_loss" in summary else ["n/a", "n/a"])
     markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     markdown += ["| " + " | ".join(row) + " |" for row in table]
     scales = ", ".join(sorted({setup.scale for setup, _ in rows}))

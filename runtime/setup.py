@@ -3,6 +3,7 @@ line and exit status 2), then built: the mesh, the step compiled ahead of time f
 (this machine's devices, or the study tools' compile-only GPUs), the state."""
 
 import dataclasses
+import importlib.util
 import os
 import time
 
@@ -15,7 +16,7 @@ from hf.load import Checkpoint, open_checkpoint
 from model import common, families
 from offload import activations, optimizer_state
 from runtime import checkpoints, placement
-from runtime.data import token_source
+from data.tokens import token_source
 from trainer import program
 from trainer.step import make_optimizer
 from trainer.target import Target
@@ -46,13 +47,13 @@ def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str
     have = f"{len(devices)} {devices[0].platform} device(s)"
     enough = devices[0].platform != "cpu" and (
         len(devices) == need if need else len(devices) % (mesh.data * mesh.expert) == 0)
+    count = need or f"a multiple of {mesh.data * mesh.expert}"
     if requested == "full" and not enough:
-        count = need or f"a multiple of {mesh.data * mesh.expert}"
         raise ConfigError(f"{experiment.name} at full scale needs {count} accelerators (mesh "
                           f"data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert}); this "
                           f"machine has {have}")
     if requested == "proxy" or not enough:
-        why = "asked for" if requested == "proxy" else f"full scale needs {need} accelerators"
+        why = "asked for" if requested == "proxy" else f"full scale needs {count} accelerators"
         return "proxy", f"{why}; this machine has {have}"
     return "full", f"{have} cover the experiment's mesh"
 
@@ -85,6 +86,12 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     if found := found or program.quantization_problems(model, run):
         raise ConfigError("; ".join(found))
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
+    if run.eval_every and data.val is None:
+        raise ConfigError(f"eval_every={run.eval_every} needs a val split: data.path= a folder "
+                          "that python train.py prepare wrote")
+    if run.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("tensorboard=true writes through tensorboardX, which is not "
+                          "installed: pip install -e '.[tensorboard]'")
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
     setup = Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
                   hf_params, args=tuple(args))
@@ -119,9 +126,18 @@ def init_state(setup: Setup, rules: common.AxisRules, optimizer):
             "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
 
 
-def global_batch(setup: Setup, step: int, sharding, batch_size: int):
-    tokens = setup.data.batch(step, batch_size, setup.run.seq)
+def global_batch(tokens, sharding) -> jax.Array:
+    """The global batch [B, T+1] every process built alike, each holding its devices' rows."""
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def evaluate(setup: Setup, built: "Built", params, batch_size: int) -> float:
+    """The mean cross-entropy over the run's eval_batches fixed batches of val windows."""
+    run, sharding = setup.run, built.rules.sharding(("batch", None))
+    losses = [built.evaluate(params, global_batch(setup.data.val.eval_batch(
+        index, batch_size, run.seq, run.eval_batches), sharding))
+        for index in range(run.eval_batches)]
+    return float(sum(map(float, losses)) / run.eval_batches)
 
 
 @dataclasses.dataclass
@@ -134,6 +150,7 @@ class Built:
     compile_s: float
     offloaded: dict  # tag -> the values the traced step moves to host (runtime/placement.py)
     arrived: int = 0  # host optimizer state compiled as device arguments (compile-only GPUs)
+    evaluate: jax.stages.Compiled | None = None  # the forward-only loss, with eval_every
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -179,13 +196,14 @@ def build(setup: Setup, target: Target, laid_out=None, extra_options=None) -> Bu
     started = time.perf_counter()
     jaxpr, compiled = program.compile_step(setup.model, run, setup.placement, rules, optimizer,
                                            target, extra_options)
-    compile_s = time.perf_counter() - started
     arrived = 0
     if run.optimizer_state == "host" and target.compile_only:
         abstract = program.abstract_state(setup.model, run, rules, optimizer)
         arrived = optimizer_state.moment_bytes(abstract["opt_state"])
-    return Built(target, rules, optimizer, compiled, compile_s,
-                 placement.tagged_in(jaxpr.jaxpr, offloaded=True), arrived)
+    evaluate = (program.compile_eval(setup.model, run, setup.placement, rules, optimizer, target)
+                if run.eval_every and not target.compile_only else None)
+    return Built(target, rules, optimizer, compiled, time.perf_counter() - started,
+                 placement.tagged_in(jaxpr.jaxpr, offloaded=True), arrived, evaluate)
 
 
 def check_host_reads(built: Built) -> None:

@@ -23,7 +23,7 @@ import sys
 import configs
 from configs import ConfigError
 from runtime.backend import BackendError
-from runtime.data import DataError
+from data.tokens import DataError
 from hf.safetensors import CheckpointError
 from trainer.target import this_machine
 

@@ -21,7 +21,7 @@ import configs
 from model import common, families
 from offload import activations
 from runtime import report
-from runtime.data import SyntheticTokens
+from data.tokens import SyntheticTokens
 from trainer import program
 from trainer import step as trainer_step
 from trainer import target as trainer_target

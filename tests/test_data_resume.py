@@ -1,6 +1,6 @@
 """A token file's batches are a function of (seed, step), not of the draws before: a resumed
 run, and every process of a multi-process run, reads the windows an uninterrupted run reads
-at each step (runtime/data.py, runtime/setup.global_batch). A source that draws from one
+at each step (data/tokens.py, runtime/setup.global_batch). A source that draws from one
 generator seeded once (a stream) gives the same data only to runs that drew alike before."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 from model import common
 from runtime import setup as runtime_setup
-from runtime.data import token_source
+from data.tokens import token_source
 
 VOCAB = 512
 SEQ = 8

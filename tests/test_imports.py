@@ -7,9 +7,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Bottom to top. The study tools sit above all of the trainer; runtime/backend.py (which
 # starts JAX) below everything, importing nothing of the project.
-LAYERS = ["runtime.backend", "model", "configs", "offload", "trainer", "hf", "runtime", "train",
-          "study"]
-PACKAGES = {"model", "configs", "offload", "trainer", "hf", "runtime", "study", "train"}
+LAYERS = ["runtime.backend", "data", "model", "configs", "offload", "trainer", "hf", "runtime",
+          "train", "study"]
+PACKAGES = {"data", "model", "configs", "offload", "trainer", "hf", "runtime", "study", "train"}
 
 
 def layer(module: str) -> int:

@@ -12,7 +12,7 @@ import configs
 from configs import OptimizerConfig
 from model import common, llama, quant
 from offload import activations
-from runtime.data import SyntheticTokens, TokenFile
+from data.tokens import SyntheticTokens, TokenFile
 from trainer.step import device_update, loss_fn, make_optimizer, train_step
 from conftest import SMALL, run_cli
 

@@ -84,6 +84,17 @@ def make_step(model, run: RunConfig, placement: dict | None, rules, optimizer, t
     return jax.jit(step, donate_argnums=0)
 
 
+def compile_eval(model, run: RunConfig, placement: dict | None, rules, optimizer,
+                 target: Target) -> jax.stages.Compiled:
+    """The forward-only loss of one batch (its cross-entropy), compiled ahead of time on the
+    step's mesh and for the parameters as its state holds them."""
+    loss = make_loss(model, run, placement, rules, target)
+    evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
+    params = abstract_state(model, run, rules, optimizer)["params"]
+    traced = evaluate.trace(params, abstract_batch(run, rules, rules.mesh.devices.size))
+    return traced.lower().compile()
+
+
 def compile_step(model, run: RunConfig, placement: dict | None, rules, optimizer,
                  target: Target, extra_options: dict | None = None):
     """(the traced step's jaxpr, the step compiled ahead of time) as `target` runs it, from the

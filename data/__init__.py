@@ -1,0 +1,1 @@
+"""Text to tokens (prepare.py, tokenizer.py) and tokens to batches (tokens.py)."""

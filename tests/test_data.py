@@ -1,0 +1,183 @@
+"""Text to tokens (`python train.py prepare`): the tokenizer's own ids, split by document,
+in nanoGPT's format; and the prepared folder's checks (data/prepare.py, data/tokens.py)."""
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from data import prepare, tokenizer as tokenizers
+from data.tokens import DataError, PreparedTokens, read_meta
+
+# The test's own text: twelve documents, with what a tokenizer must round-trip (accents, an
+# emoji, runs of blank lines and spaces, and the end-of-text token's name as plain text).
+DOCUMENTS = [f"Document {i}: {'ünïcødé 🎭 ' * (i % 3)}the quick brown fox {i * 7} jumps.\n\n"
+             f"  Over the lazy dog, line {i}; <|endoftext|> is only text here.\n"
+             for i in range(12)]
+
+
+def write_docs(folder, documents=DOCUMENTS, suffix=".txt"):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(documents):
+        (folder / f"doc{i:02d}{suffix}").write_text(text, encoding="utf-8")
+    return folder
+
+
+def split_documents(ids: np.ndarray, end_of_text: int) -> list[np.ndarray]:
+    """A split's ids cut after each end-of-text token: one array per document."""
+    ends = np.flatnonzero(ids == end_of_text)
+    assert len(ids) and ids[-1] == end_of_text  # every document ends with the token
+    return np.split(ids, ends[:-1] + 1)
+
+
+def nanogpt_read(path):
+    """How nanoGPT's train.py reads a split (np.memmap, uint16), whatever we meant."""
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def test_prepared_splits_hold_each_document_once_as_the_tokenizer_encodes_it(tmp_path):
+    out = tmp_path / "prepared"
+    meta = prepare.prepare(prepare.parse([str(write_docs(tmp_path / "text")), f"out={out}",
+                                          "tokenizer=bpe:300", "val_fraction=0.25"]))
+    tokenizer = tokenizers.read(out / "tokenizer.json")
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    assert meta["end_of_text"] == {"token": "<|endoftext|>", "id": eot}
+    assert meta["dtype"] == "uint16"
+    # Round trip: every document decodes back to itself, exactly.
+    for text in DOCUMENTS:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids) == text
+    expected = {text: [*tokenizer.encode(text, add_special_tokens=False).ids, eot]
+                for text in DOCUMENTS}
+    found = {}
+    for split in ("train", "val"):
+        ids = np.asarray(nanogpt_read(out / f"{split}.bin"))
+        docs = split_documents(ids, eot)
+        found[split] = [tokenizer.decode(d[:-1].tolist()) for d in docs]
+        # The file is the tokenizer's ids of its documents, in order.
+        np.testing.assert_array_equal(ids, np.concatenate([expected[t] for t in found[split]]))
+        assert meta["splits"][split] == {"documents": len(docs), "tokens": len(ids)}
+    assert not set(found["train"]) & set(found["val"])  # no document in both splits
+    assert sorted(found["train"] + found["val"]) == sorted(DOCUMENTS)
+    assert len(found["val"]) == 3  # round(0.25 x 12)
+    # The split is drawn by the seed: another seed draws another one.
+    other = prepare.prepare(prepare.parse([str(tmp_path / "text"), f"out={tmp_path / 'other'}",
+                                           "tokenizer=bpe:300", "val_fraction=0.25", "seed=5"]))
+    val = np.asarray(nanogpt_read(tmp_path / "other" / "val.bin"))
+    assert other["splits"]["val"]["documents"] == 3
+    assert sorted(tokenizer.decode(d[:-1].tolist()) for d in split_documents(val, eot)) != \
+        sorted(found["val"])
+
+
+def test_a_checkpoints_tokenizer_json_and_jsonl_documents(tmp_path):
+    """A Hugging Face folder's tokenizer.json (its tokenizer_config.json names </s>), one
+    document per JSONL line, and a vocabulary past uint16: uint32 files."""
+    words = ["</s>", "[UNK]", *(f"w{i}" for i in range(70_000))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    texts = [" ".join(f"w{(i * 7919 + j * 104_729) % 70_000}" for j in range(5 + i))
+             for i in range(10)]
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(texts))
+                      + "\n\n")
+    out = tmp_path / "prepared"
+    meta = prepare.prepare(prepare.parse([str(source), f"out={out}", f"tokenizer={checkpoint}",
+                                          "text_field=body", "val_fraction=0.2"]))
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == len(words)
+    assert meta["end_of_text"] == {"token": "</s>", "id": 0}
+    every = [*np.fromfile(out / "train.bin", np.uint32), *np.fromfile(out / "val.bin", np.uint32)]
+    assert max(every) >= 2**16  # ids only uint32 holds, read back whole
+    assert sorted(len(d) for d in split_documents(np.array(every), 0)) == sorted(
+        len(t.split()) + 1 for t in texts)
+    assert meta["splits"]["val"]["documents"] == 2
+    assert sum(s["tokens"] for s in meta["splits"].values()) == sum(len(t.split()) + 1
+                                                                   for t in texts)
+
+
+def prepare_cli(args, capsys):
+    import train
+    code = train.main(["prepare", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _bad_prepare_inputs(tmp_path):
+    text = write_docs(tmp_path / "text")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "no-field.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    (tmp_path / "not-json.jsonl").write_text('{"text": "a"}\nnot json\n')
+    (tmp_path / "no-tokenizer").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "one.txt").write_text("a single document")
+    return {
+        "no source": ["out=x"],
+        "missing source": [str(tmp_path / "missing.txt"), "out=x"],
+        "empty source": [str(tmp_path / "empty.txt"), "out=x"],
+        "JSONL line without the field": [str(tmp_path / "no-field.jsonl"), "out=x"],
+        "JSONL line not JSON": [str(tmp_path / "not-json.jsonl"), "out=x"],
+        "folder without tokenizer.json": [str(text), "out=x",
+                                          f"tokenizer={tmp_path / 'no-tokenizer'}"],
+        "BPE below the byte alphabet": [str(text), "out=x", "tokenizer=bpe:256"],
+        "val fraction leaving val empty": [str(text), "out=x", "val_fraction=0.01"],
+        "val fraction leaving train empty": [str(text), "out=x", "val_fraction=0.99"],
+        "one document": [str(tmp_path / "one.txt"), "out=x"],
+        "val fraction out of range": [str(text), "out=x", "val_fraction=1"],
+        "output folder not empty": [str(text), f"out={tmp_path / 'full'}"],
+        "unknown key": [str(text), "out=x", "vocab=300"],
+        "a flag": [str(text), "out=x", "--force"],
+        "no output": [str(text)],
+    }
+
+
+BAD_PREPARE = ["no source", "missing source", "empty source", "JSONL line without the field",
+               "JSONL line not JSON", "folder without tokenizer.json",
+               "BPE below the byte alphabet", "val fraction leaving val empty",
+               "val fraction leaving train empty", "one document", "val fraction out of range",
+               "output folder not empty", "unknown key", "a flag", "no output"]
+
+
+@pytest.mark.parametrize("case", BAD_PREPARE)
+def test_bad_prepare_input_is_one_line_and_status_2(case, tmp_path, capsys, monkeypatch):
+    args = _bad_prepare_inputs(tmp_path)[case]
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, out, err = prepare_cli(args, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    # Nothing written: no folder (not even a partial one), the full folder as it was.
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    out = tmp_path / "prepared"
+    prepare.prepare(prepare.parse([str(write_docs(tmp_path / "text")), f"out={out}",
+                                   "tokenizer=bpe:300", "val_fraction=0.25"]))
+    return out
+
+
+def test_a_prepared_folder_is_checked_against_its_meta(prepared):
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert read_meta(prepared) == meta
+    source = PreparedTokens(str(prepared), "auto", 300, 0, 8)
+    assert len(source.tokens) == meta["splits"]["train"]["tokens"]
+    assert len(source.val.tokens) == meta["splits"]["val"]["tokens"]
+    checks = [("data.dtype=uint32", lambda: PreparedTokens(str(prepared), "uint32", 300, 0, 8)),
+              ("does not cover the tokenizer's vocabulary of 300",
+               lambda: PreparedTokens(str(prepared), "auto", 299, 0, 8))]
+    for said, make in checks:
+        with pytest.raises(DataError, match=said):
+            make()
+    (prepared / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
+    with pytest.raises(DataError, match="train.bin holds .* uint32 tokens, but it has"):
+        read_meta(prepared)
+    splits = {**meta["splits"], "val": {**meta["splits"]["val"], "tokens": 5}}
+    (prepared / "meta.json").write_text(json.dumps({**meta, "splits": splits}))
+    with pytest.raises(DataError, match="val.bin holds 5 uint16 tokens, but it has"):
+        read_meta(prepared)
