@@ -5,92 +5,88 @@
     python train.py export CHECKPOINT hf_dir=DIR [dtype=bfloat16]
                                                            trained weights as a Hugging Face
                                                            checkpoint (config.json + safetensors)
+    python train.py prepare SOURCE ... out=DIR [tokenizer=PATH|bpe:N] [val_fraction=F]
+                            [text_field=NAME] [seed=S]     text files, folders or JSONL as
+                                                           train.bin/val.bin (docs/data.md)
+    python train.py sample RUN [prompt=TEXT] [tokens=N] [temperature=T] [top_k=K] [seed=S]
+                                                           text from a run's last checkpoint
 
-Resolve (config, scale, placement, data: any mistake is one line and exit status 2) -> build
-(mesh, the step compiled ahead of time for this machine's devices) -> sharded init -> loop ->
-report. The full-scale plan, GPU compile, search and step times: python -m study (study/).
+A run: resolve (config, scale, placement, data: any mistake is one line and exit status 2) ->
+program (mesh, optimizer, the step compiled ahead of time for this machine's devices) -> state
+(sharded init, or a checkpoint) -> loop -> report. The full-scale plan, GPU compile, search and
+step times: python -m study (study/).
 """
 
 from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
 
-import dataclasses
 import signal
 import sys
 
 import configs
 from configs import ConfigError
 from data import prepare
+from data.tokens import DataError
 from hf.safetensors import CheckpointError
-from model import families
 from runtime import checkpoints, distributed, report, sample
 from runtime.backend import BackendError
-from data.tokens import DataError
+from runtime.own_program import offloaded
 from runtime.report import NonFiniteLoss
-from runtime.setup import (Setup, build, check_host_reads, evaluate, global_batch, layout,
-                           resolve, start_state)
+from runtime.setup import Setup, check_machine, resolve, start_state
+from trainer.program import Program
 from trainer.target import Target, this_machine
 
 
 def train(setup: Setup, target: Target) -> dict:
-    """Run the experiment; its summary, with `stopped_by` when a signal ended it early. A loss
-    that is not finite raises NonFiniteLoss."""
-    run, devices = setup.run, len(target.devices)
+    """Run the experiment: resolve (done) -> program -> state -> loop -> report. Its summary,
+    with `stopped_by` when a signal ended it early; a loss that is not finite raises
+    NonFiniteLoss."""
+    run = setup.run
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
-        laid_out = layout(setup, target)
-        state, done = start_state(setup, target, laid_out)
-        built = build(setup, target, laid_out)
-        check_host_reads(built)
-        run_dir = report.RunDir.create(setup)
-        run_dir.write("config.json", {
-            "experiment": setup.experiment.name, "scale": setup.scale,
-            "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(run),
-            "placement": setup.placement})
-        batch_size = run.batch(devices)
-        flops = families.of(setup.model).training_flops(setup.model, batch_size / devices, run.seq)
-        report.print_header(setup, built, batch_size, flops, run_dir, first_step=done + 1)
-        log = report.StepLog(setup, built, run_dir, batch_size, flops, first_step=done + 1)
-        saver = checkpoints.Saver(run_dir.checkpoints, run.keep, run.checkpoint_every)
+        program = Program(setup.model, run, setup.placement, target)
+        check_machine(program, offloads=bool(offloaded(program.traced.jaxpr)))
+        state, done = start_state(program, setup)
+        log = report.StepLog.start(setup, program, first_step=done + 1)  # compiles the step
+        saver = checkpoints.Saver(log.run_dir.checkpoints, run.keep, run.checkpoint_every)
         try:
-            last = loop(setup, built, state, done, batch_size, log, saver, stop)
+            last = loop(program, setup, state, done, log, saver, stop)
         finally:
             saver.close()
             log.close()
     stopped = stop.signal if last < run.steps else None  # on the last step it stops nothing
     if saver.saved:
-        report.say(report.checkpoint_line(setup, run_dir, saver.saved[-1], stopped))
+        report.say(report.checkpoint_line(setup, log.run_dir, saver.saved[-1], stopped))
     return {**log.summary(), **({"stopped_by": stopped.name} if stopped else {})}
 
 
-def loop(setup: Setup, built, state, done: int, batch_size: int, log, saver, stop) -> int:
+def loop(program: Program, setup: Setup, state, done: int, log, saver, stop) -> int:
     """Steps done+1.. to the last, or to a stop request; the last step done. The host runs a
     step ahead: each step is dispatched, then the previous one recorded. Where an evaluation,
     a checkpoint or the stop is due, the step's own record comes first: only a state whose
     loss is finite is evaluated or saved."""
-    run, sharding = setup.run, built.rules.sharding(("batch", None))
-
-    def batch(step: int):
-        return global_batch(setup.data.batch(step, batch_size, run.seq), sharding)
+    run, data, size = setup.run, setup.data, program.batch_size
 
     def evaluation(params):
-        return lambda: evaluate(setup, built, params, batch_size)
+        return lambda: program.eval_loss(params, (
+            data.val.eval_batch(i, size, run.seq, run.eval_batches)
+            for i in range(run.eval_batches)))
 
-    tokens, unread = batch(done), None  # unread: (step, metrics), dispatched, not recorded
+    tokens, unread = program.batch(data.batch(done, size, run.seq)), None
     for step in range(done + 1, run.steps + 1):
         log.starting(step)
-        state, metrics = built.compiled(state, tokens)
+        state, metrics = program.step(state, tokens)
         stopping = stop.reached(step)
         if step < run.steps and not stopping:
-            tokens = batch(step)
+            tokens = program.batch(data.batch(step, size, run.seq))
         if unread:
             log.record(*unread)
-        unread = (step, metrics)
+        unread = (step, metrics)  # dispatched, not recorded yet
         evaluating = run.eval_every and (step % run.eval_every == 0 or step == run.steps)
         saving = stopping or saver.due(step, run.steps)
         if evaluating or saving:
             log.record(*unread, evaluation(state["params"]) if evaluating else None)
             unread = None
         if saving:
-            saver.save(step, state, checkpoints.run_meta(step, setup, batch_size))
+            saver.save(step, state, checkpoints.run_meta(step, setup, size))
         if stopping:
             return step
     if unread:

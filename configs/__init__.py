@@ -18,9 +18,6 @@ ModelConfig = LlamaConfig | DeepSeekConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
-# The GPUs an experiment can be planned and compiled for (device=...); their figures and XLA
-# target specs are the study tools' (study/gpus.py, a test keeps the two lists one).
-DEVICES = ("gb200", "b200", "h200", "h100")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +104,6 @@ class RunConfig:
     resume: str = ""
     profile: bool = False
     tensorboard: bool = False  # the step and eval metrics also as TensorBoard scalars
-    device: str = "gb200"  # the GPU the study tools plan and compile full scale for
     attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
     # MoE models only:
     expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
@@ -304,7 +300,7 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found += out_of_range(model, run, found + experts)
     choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
                "quant": ("none", "nvfp4"), "quant_tiles": ("16x16", "1x16"),
-               "quant_backward": ("fp4", "bf16"), "device": DEVICES,
+               "quant_backward": ("fp4", "bf16"),
                "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
                "optimizer_state": ("device", "host")}
     found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"

@@ -58,7 +58,7 @@ register("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64", LLAMA31_
 # (docs/optimizer_state.md has the figures).
 register("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW moments in "
          "host memory, activations placed by the search", LLAMA31_70B, PROXY_70B, STUDY_405B,
-         device="h200", mesh=MeshConfig(fsdp=8), per_device_batch=1, quant="none",
+         mesh=MeshConfig(fsdp=8), per_device_batch=1, quant="none",
          preset="remat", optimizer_state="host",
          placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
                     "layers.key_proj": "offload", "layers.value_proj": "offload",

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (Llama, DeepSeek-V3) -> (model config, params).
 
 HF linear weights are stored [out, in]; ours are [in, out], with heads split out. Each of our
-parameters is a `Source` built from its family's `hf_tensors` table (hf/save.py reads it too),
+parameters is a `Source` built from its family's table in hf/names.py (hf/save.py reads it too),
 read whole (one process) or only in the slices this process's devices hold (multi-host)."""
 
 import dataclasses
@@ -15,8 +15,9 @@ import numpy as np
 
 from hf import config as hf_config
 from hf.safetensors import CheckpointError, Reader, read_json, unit_slices
+from hf.names import HfTensor, tensors
 from model import families
-from model.common import HfTensor, ParamSpec
+from model.params import ParamSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +133,9 @@ def open_checkpoint(directory: str | Path):
         raise CheckpointError(f"{directory}/config.json: a value of the wrong type ({e})") from None
     if problems := cfg.problems():
         raise CheckpointError(f"{directory}/config.json: {problems[0]}")
-    reader, family = Reader(directory), families.of(cfg)
-    sources = jax.tree.map(functools.partial(_source, reader), family.param_specs(cfg),
-                           family.hf_tensors(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+    reader = Reader(directory)
+    sources = jax.tree.map(functools.partial(_source, reader), families.of(cfg).param_specs(cfg),
+                           tensors(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
     return cfg, Checkpoint(reader, sources)
 
 

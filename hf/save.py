@@ -14,8 +14,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hf.config import to_hf
+from hf.names import HfTensor, tensors
 from model import families
-from model.common import HfTensor, ParamSpec
+from model.params import ParamSpec
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -27,8 +28,7 @@ def _hf_layout(array: np.ndarray, hf: HfTensor) -> np.ndarray:
 
 def hf_tensors(params: dict, cfg) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array in HF's layout) for every weight, layer by layer, by the family's table."""
-    family = families.of(cfg)
-    specs, names = family.param_specs(cfg), family.hf_tensors(cfg)
+    specs, names = families.of(cfg).param_specs(cfg), tensors(cfg)
     for key, spec in specs.items():
         if isinstance(spec, ParamSpec):
             yield names[key].name, _hf_layout(np.asarray(params[key]), names[key])

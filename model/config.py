@@ -5,7 +5,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
-    """Llama-3.1 frequency scaling (`rope_type: "llama3"` in Hugging Face configs)."""
+    """Llama-3.1 frequency scaling (`rope_type: "llama3"` in the released configs)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -47,7 +47,7 @@ class LlamaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:
-    """YaRN RoPE scaling as Hugging Face computes it (`rope_type: "yarn"`)."""
+    """YaRN RoPE scaling as the reference computes it (`rope_type: "yarn"`)."""
     factor: float = 40.0
     original_max_position: int = 4096
     beta_fast: float = 32.0

@@ -1,6 +1,6 @@
-"""DeepSeek-V3 decoder (Hugging Face `DeepseekV3ForCausalLM` numerics): MLA attention in every
-layer, a dense SwiGLU in the first `n_dense_layers`, routed + shared experts after; the dense
-and the MoE layers are two scans, each with its own checkpoint policy.
+"""DeepSeek-V3 decoder (the reference `DeepseekV3ForCausalLM`'s numerics, docs/model.md): MLA
+in every layer, a dense SwiGLU in the first `n_dense_layers`, routed + shared experts after;
+the dense and the MoE layers are two scans, each with its own checkpoint policy.
 
 Letters as in the README; tags use MaxText's names and positions.
 """
@@ -13,14 +13,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
-                          constrain, einsum, hf_layer, hf_swiglu, layer_keys, layer_weights,
-                          param_count, rms_norm, rope_tables, scan_layers, stack, swiglu,
-                          swiglu_specs, unembed, yarn_attention_factor, yarn_frequencies,
-                          yarn_mscale)
 from model.config import DeepSeekConfig
 from model.experts import EXPERT_PATHS, ExpertParallel, experts_exchanged
-from model.quant import Quantization
+from model.layers import (apply_rope, causal_attention, einsum, rms_norm, rope_tables,
+                          scan_layers, swiglu, swiglu_specs, unembed, yarn_attention_factor,
+                          yarn_frequencies, yarn_mscale)
+from model.options import ForwardOptions
+from model.params import ParamSpec, param_count, stack
+from model.quant import layer_keys, layer_weights
+from model.sharding import AxisRules, constrain
 
 CONFIG = DeepSeekConfig
 # The layer scans and their tags in layer order (the only lists, checked against the traced
@@ -76,7 +77,8 @@ def param_specs(cfg: DeepSeekConfig) -> dict:
 
 
 def softmax_scale(cfg: DeepSeekConfig) -> float:
-    """d_qk^-1/2, times m(factor, mscale_all_dim)^2 under YaRN (HF applies it to every logit)."""
+    """d_qk^-1/2, times m(factor, mscale_all_dim)^2 under YaRN (on every logit, as the
+    reference)."""
     scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5
     yarn = cfg.rope_scaling
     if yarn is not None and yarn.mscale_all_dim:
@@ -86,14 +88,15 @@ def softmax_scale(cfg: DeepSeekConfig) -> float:
 
 def _rope(x, cos, sin, interleave: bool):
     """RoPE on the last axis. Interleaved pairs (2i, 2i+1) are first gathered into the
-    rotate-half layout [evens | odds], which is also the order Hugging Face returns them in."""
+    rotate-half layout [evens | odds], which is also the order the reference returns them in."""
     if interleave:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return apply_rope(x, cos, sin)
 
 
 def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=None):
-    """Multi-head latent attention, expanded as HF computes it: [B, T, D] -> [B, T, D]."""
+    """Multi-head latent attention, expanded as the reference computes it: [B, T, D] ->
+    [B, T, D]."""
     if cfg.q_lora_rank is None:
         q = einsum("btd,dnh->btnh", x, w["wq"])
     else:
@@ -120,7 +123,7 @@ def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=
 
 
 def route(x, router, bias, cfg: DeepSeekConfig):
-    """HF's DeepSeek-V3 router on tokens x [S, D] (fp32 throughout): (weights [S, k] fp32,
+    """The reference DeepSeek-V3 router on tokens x [S, D] (fp32 throughout): (weights [S, k] fp32,
     experts [S, k] int32, scores [S, E]). Sigmoid scores; the bias only steers selection;
     groups score by the sum of their two best; weights come from the unbiased scores."""
     scores = jax.nn.sigmoid(jnp.einsum("sd,de->se", x.astype(jnp.float32),
@@ -227,15 +230,14 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
     return rope_tables(seq_len, freqs, dtype, yarn_attention_factor(yarn))
 
 
-def trunk(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
-          dtype=jnp.bfloat16, expert_path="sorted", attention: str | None = None,
-          expert_parallel: ExpertParallel | None = None,
-          quantization: Quantization | None = None, key: jax.Array | None = None):
-    """The decoder trunk, options as `llama.trunk`'s: tokens [B, T] -> (the last layer's output
-    [B, T, D], before the final norm; `moe`'s statistics of each MoE layer, stacked [L_moe, ...]).
-    `policies` maps a scan (SCANS) to its layers' checkpoint policy; `expert_parallel` splits
-    the routed experts over the devices of the `exchange` axis; `quantization` leaves the router
-    and the routed experts (grouped GEMMs, as in MaxText's TE path) out of NVFP4."""
+def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None):
+    """The decoder trunk, as `llama.trunk`: tokens [B, T] -> (the last layer's output [B, T, D],
+    before the final norm; `moe`'s statistics of each MoE layer, stacked [L_moe, ...]). Its two
+    scans (SCANS) each take their policy from `options`; the routed experts run by
+    `options.experts` or, split over the devices of the `exchange` axis, by
+    `options.expert_parallel`; NVFP4 leaves the router and the routed experts (grouped GEMMs,
+    as in MaxText's TE path) out."""
+    dtype, rules, quantization = jnp.dtype(options.dtype), options.rules, options.quantization
     cos, sin = rope_for(cfg, tokens.shape[1], dtype)
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
                   ("batch", "seq", None))
@@ -243,63 +245,30 @@ def trunk(params, tokens, cfg: DeepSeekConfig, *, policies=None, rules=None,
     def dense_layer(x, inputs):
         w, layer_key = inputs
         w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
-        return block(x, w, cfg, cos, sin, rules, attention)
+        return block(x, w, cfg, cos, sin, rules, options.attention)
 
     def moe_layer(x, inputs):
         w, layer_key = inputs
-        router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as HF routes
+        router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as the reference routes
         w = {**layer_weights(w, dtype, quantization, UNQUANTIZED, layer_key, rules), **router}
-        return block(x, w, cfg, cos, sin, rules, attention, expert_path, expert_parallel)
+        return block(x, w, cfg, cos, sin, rules, options.attention, options.experts or "sorted",
+                     options.expert_parallel)
 
-    policies = policies or {}
     keys = layer_keys(key, quantization, cfg.n_layers)
     n_dense = cfg.n_dense_layers
     dense_keys, moe_keys = (None, None) if keys is None else (keys[:n_dense], keys[n_dense:])
     x, _ = scan_layers(dense_layer, x, (params["dense_layers"], dense_keys),
-                       policies.get("dense_layers"), "dense_layers")
+                       options.policy("dense_layers"), "dense_layers")
     return scan_layers(moe_layer, x, (params["moe_layers"], moe_keys),
-                       policies.get("moe_layers"), "moe_layers")
+                       options.policy("moe_layers"), "moe_layers")
 
 
-def forward(params, tokens, cfg: DeepSeekConfig, **options):
-    """tokens [B, T] -> (logits [B, T, V] fp32, the MoE statistics): `trunk` (whose options
-    these are), the final norm and the LM head."""
-    x, stats = trunk(params, tokens, cfg, **options)
+def forward(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions = ForwardOptions(),
+            key=None):
+    """tokens [B, T] -> (logits [B, T, V] fp32, the MoE statistics): `trunk`, the final norm
+    and the LM head."""
+    x, stats = trunk(params, tokens, cfg, options, key)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
-
-
-def hf_tensors(cfg: DeepSeekConfig) -> dict:
-    """Each parameter's tensor in a Hugging Face `DeepseekV3ForCausalLM` checkpoint. Routed
-    experts are stored one tensor per expert (the released checkpoint) or fused by expert
-    (`experts.gate_up_proj` [E, 2F, D] and `experts.down_proj`, as transformers keeps them);
-    layers after the model's own (multi-token prediction) are not read."""
-    def layer(first: int, mlp: dict) -> dict:
-        t = partial(hf_layer, first=first)
-        query = ({"wq": t("self_attn.q_proj", 1)} if cfg.q_lora_rank is None else
-                 {"wq_a": t("self_attn.q_a_proj", 1), "q_norm": t("self_attn.q_a_layernorm"),
-                  "wq_b": t("self_attn.q_b_proj", 1)})
-        return {"attn_norm": t("input_layernorm"), **query,
-                "wkv_a": t("self_attn.kv_a_proj_with_mqa", 1),
-                "kv_norm": t("self_attn.kv_a_layernorm"), "wkv_b": t("self_attn.kv_b_proj", 1),
-                "wo": t("self_attn.o_proj", 2), "mlp_norm": t("post_attention_layernorm"), **mlp}
-
-    first_moe, gate_up = cfg.n_dense_layers, "mlp.experts.gate_up_proj"
-    moe = partial(hf_layer, first=first_moe)
-    return {
-        "embed": HfTensor("model.embed_tokens.weight"),
-        "dense_layers": layer(0, hf_swiglu("mlp.")),
-        "moe_layers": layer(first_moe, {
-            "router": moe("mlp.gate", 1),
-            "router_bias": HfTensor("model.layers.{layer}.mlp.gate.e_score_correction_bias",
-                                    first_layer=first_moe),
-            "we_gate": moe("mlp.experts.{expert}.gate_proj", 1, fused=(gate_up, 0, 2)),
-            "we_up": moe("mlp.experts.{expert}.up_proj", 1, fused=(gate_up, 1, 2)),
-            "we_down": moe("mlp.experts.{expert}.down_proj", 1,
-                           fused=("mlp.experts.down_proj", 0, 1)),
-            **hf_swiglu("mlp.shared_experts.", first_moe)}),
-        "final_norm": HfTensor("model.norm.weight"),
-        "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight"),
-    }
 
 
 def training_flops(cfg: DeepSeekConfig, batch: float, seq: int) -> float:

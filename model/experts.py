@@ -56,6 +56,12 @@ class ExpertParallel:
     devices: int
     capacity: float = 0.0
 
+    def describe(self) -> str:
+        room = (f"blocks {self.capacity:g}x the balanced share" if self.capacity
+                else "blocks sized for the worst case: dropless")
+        return (f"experts split over the {self.devices} devices of each expert group ({room}; "
+                "one GEMM per expert)")
+
     def block_rows(self, tokens: int, k: int, n_experts: int) -> int:
         """Rows of one expert's block from one device."""
         share = self.capacity * tokens * k / n_experts

@@ -1,6 +1,6 @@
 """The model families, one module each (model/llama.py, model/deepseek.py), found by its config.
 A family has CONFIG (its config class), SCANS (its layer scans and their tags), UNQUANTIZED,
-param_specs, trunk, forward, training_flops and hf_tensors (its Hugging Face names)."""
+param_specs, trunk, forward and training_flops (checkpoint names: hf/names.py)."""
 
 from model import deepseek, llama
 
@@ -10,6 +10,3 @@ FAMILIES = (llama, deepseek)
 def of(cfg):
     return next(family for family in FAMILIES if isinstance(cfg, family.CONFIG))
 
-
-def scan_tags(cfg) -> dict[str, tuple[str, ...]]:
-    return of(cfg).SCANS

@@ -1,4 +1,5 @@
-"""Llama-3.1 decoder (Hugging Face `LlamaForCausalLM` numerics), layers run under lax.scan.
+"""Llama-3.1 decoder (the reference `LlamaForCausalLM`'s numerics, docs/model.md), its layers
+run under lax.scan.
 
 Letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff,
 V vocab, L layers. Tags (`checkpoint_name`) use MaxText's names and positions, so a
@@ -9,12 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from model.common import (AxisRules, HfTensor, ParamSpec, apply_rope, causal_attention,
-                          constrain, einsum, hf_layer, hf_swiglu, layer_keys, layer_weights,
-                          param_count, rms_norm, rope_frequencies, rope_tables, scan_layers,
-                          stack, swiglu, swiglu_specs, unembed)
-from model.quant import Quantization
 from model.config import LlamaConfig
+from model.layers import (apply_rope, causal_attention, einsum, rms_norm, rope_frequencies,
+                          rope_tables, scan_layers, swiglu, swiglu_specs, unembed)
+from model.options import ForwardOptions
+from model.params import ParamSpec, param_count, stack
+from model.quant import layer_keys, layer_weights
+from model.sharding import AxisRules, constrain
 
 CONFIG = LlamaConfig
 # The layer scan (named as its parameter subtree and its named_scope) and its tags in layer
@@ -62,15 +64,13 @@ def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, atte
         return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
 
 
-def trunk(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules | None = None,
-          dtype=jnp.bfloat16, attention: str | None = None,
-          quantization: Quantization | None = None, key: jax.Array | None = None):
+def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
     """The decoder trunk (embedding, then the layers): tokens [B, T] int -> (the last layer's
-    output [B, T, D], before the final norm; {}). `policies` maps a scan ("layers") to the
-    `jax.checkpoint` policy of each of its layers (none: no checkpointing). Weights are cast to
-    `dtype` (the compute dtype) per layer and, under `quantization`, its matrices multiplied in
-    NVFP4 (embeddings and LM head stay as they are), `key` drawing an FP4 backward's rounding
-    bits. `attention` picks the attention kernel (`causal_attention`)."""
+    output [B, T, D], before the final norm; {}). Each layer of the scan "layers" runs under
+    its checkpoint policy in `options`, its weights cast to the compute dtype and, under
+    NVFP4, its matrices multiplied in FP4 (embeddings and LM head stay as they are), `key`
+    drawing an FP4 backward's rounding bits."""
+    dtype, rules, quantization = jnp.dtype(options.dtype), options.rules, options.quantization
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)
     x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
@@ -79,30 +79,18 @@ def trunk(params, tokens, cfg: LlamaConfig, *, policies=None, rules: AxisRules |
     def layer(x, inputs):
         w, layer_key = inputs
         w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
-        return block(x, w, cfg, cos, sin, rules, attention), None
+        return block(x, w, cfg, cos, sin, rules, options.attention), None
 
     keys = layer_keys(key, quantization, cfg.n_layers)
-    x, _ = scan_layers(layer, x, (params["layers"], keys), (policies or {}).get("layers"),
-                       "layers")
+    x, _ = scan_layers(layer, x, (params["layers"], keys), options.policy("layers"), "layers")
     return x, {}
 
 
-def forward(params, tokens, cfg: LlamaConfig, **options):
-    """tokens [B, T] int -> (logits [B, T, V] fp32, {}): `trunk` (whose options these are),
-    the final norm and the LM head."""
-    x, stats = trunk(params, tokens, cfg, **options)
+def forward(params, tokens, cfg: LlamaConfig, options: ForwardOptions = ForwardOptions(),
+            key=None):
+    """tokens [B, T] int -> (logits [B, T, V] fp32, {}): `trunk`, the final norm, the LM head."""
+    x, stats = trunk(params, tokens, cfg, options, key)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
-
-
-def hf_tensors(cfg: LlamaConfig) -> dict:
-    """Each parameter's tensor in a Hugging Face `LlamaForCausalLM` checkpoint."""
-    return {"embed": HfTensor("model.embed_tokens.weight"),
-            "layers": {"attn_norm": hf_layer("input_layernorm"),
-                       **{f"w{x}": hf_layer(f"self_attn.{x}_proj", 1) for x in "qkv"},
-                       "wo": hf_layer("self_attn.o_proj", 2),
-                       "mlp_norm": hf_layer("post_attention_layernorm"), **hf_swiglu("mlp.")},
-            "final_norm": HfTensor("model.norm.weight"),
-            "lm_head": HfTensor("lm_head.weight", linear=True, tied="model.embed_tokens.weight")}
 
 
 def training_flops(cfg: LlamaConfig, batch: int, seq: int) -> float:

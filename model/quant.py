@@ -39,6 +39,15 @@ class Quantization:
     two_d: bool = True
     backward: str = "fp4"
 
+    def describe(self) -> str:
+        """What a step does with its layer matrices, for its header and plan."""
+        gemms = "every GEMM" if self.backward == "fp4" else "the forward GEMMs (backward in bf16)"
+        if self.path == "scaled":
+            return f"NVFP4: {gemms} of the layer matrices on FP4 tensor cores"
+        tiles = "16x16 tiles" if self.two_d else "1x16 blocks"
+        return (f"NVFP4 values ({tiles}) for {gemms} of the layer matrices, multiplied in the "
+                "compute dtype: the same numbers, no FP4 speed-up")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -170,3 +179,32 @@ def nvfp4_bytes(shape: tuple[int, ...], axis: int, two_d: bool = False) -> int:
                        jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
     return sum(math.prod(a.shape) * jax.dtypes.itemsize_bits(a.dtype) // 8
                for a in jax.tree.leaves(q))
+
+
+def quantizable(name: str, ndim: int, unquantized=()) -> bool:
+    """Whether a layer weight (one layer's) is multiplied in NVFP4: a matrix not `unquantized`."""
+    return ndim >= 2 and name not in unquantized
+
+
+def layer_weights(w: dict, dtype, quantization: Quantization | None, unquantized=(),
+                  key: jax.Array | None = None, rules=None):
+    """A layer's weights in the compute dtype, its `quantizable` matrices marked for NVFP4 under
+    `quantization`, each with its own share of the layer's `key` (an FP4 backward's rounding
+    bits) and, given `rules`, gathered whole (replicated) as FP4 codes."""
+    gathered = None if rules is None else rules.sharding(())
+
+    def prepare(index: int, name: str, a: jax.Array):
+        a = a.astype(dtype)
+        if quantization is None or not quantizable(name, a.ndim, unquantized):
+            return a
+        return NVFP4Weight(a, None if key is None else jax.random.fold_in(key, index),
+                                 quantization, gathered)
+    return {name: prepare(i, name, a) for i, (name, a) in enumerate(sorted(w.items()))}
+
+
+def layer_keys(key: jax.Array | None, quantization: Quantization | None, layers: int):
+    """One key per layer of a scan for an FP4 backward's stochastic rounding (None without
+    NVFP4); a forward given no key (evaluation, tracing) uses key 0."""
+    if quantization is None:
+        return None
+    return jax.random.split(jax.random.key(0) if key is None else key, layers)

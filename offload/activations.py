@@ -48,7 +48,7 @@ def presets_for(scan_tags: Mapping) -> list[str]:
             if {key.rpartition(".")[0] for key in table} <= {"", *scan_tags}]  # "": any scan
 
 
-def placement(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
+def resolve(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
     """scan -> {tag: device|offload|remat}: the preset, then `changes` ("tag" for every scan
     that has it, "scan.tag" for one), each checked against the model's tags."""
     if preset not in PRESETS:

@@ -15,8 +15,7 @@ import numpy as np
 import optax
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-SCOPE = "optimizer_state"  # the named scope of its moves: what study/ tells apart from tags
-ARRIVAL = "compile_only_arrival"  # see _on_host
+SCOPE = "optimizer_state"  # the named scope of its moves, apart from the activations' tags
 
 
 def host_update(clip, adamw, scans):
@@ -28,7 +27,7 @@ def host_update(clip, adamw, scans):
     def update(grads, opt_state, params):
         # Clipped as a whole (it needs the global norm); XLA writes it over the gradients.
         grads, _ = clip.update(grads, opt_state[0])
-        state = _on_host(opt_state[1])
+        state = opt_state[1]  # its moments in host memory (the state's shardings say so)
         rest = [k for k in params if k not in scans]
         updates, new = adamw.update(_keys(grads, rest),
                                     _move(_cut(state, rest, params), DEVICE), _keys(params, rest))
@@ -67,15 +66,6 @@ def _by_layer(adamw, grads, state, params):
     updates, new = jax.lax.scan(layer, grads, (jnp.arange(layers), moments))
     return (optax.apply_updates(params, updates),
             jax.tree.map(lambda x, m: m if x.ndim else x, state, new))
-
-
-def _on_host(state):
-    """The state where it is between steps on a GPU. Compile-only GPUs have no memory kinds
-    (jax 0.12.0.1 drops `pinned_host` from their shardings), so there it arrives on the device
-    and is moved first, in named scope ARRIVAL, which study/replay.py leaves out."""
-    with jax.named_scope(ARRIVAL):
-        return jax.tree.map(lambda x: x if jax.typeof(x).memory_space == HOST
-                            else _move(x, HOST), state)
 
 
 def _move(tree, space):

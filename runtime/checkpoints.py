@@ -22,7 +22,8 @@ from jax.experimental import multihost_utils
 from configs import ConfigError
 from hf.config import from_hf, to_hf
 from hf.save import DTYPES, write_checkpoint
-from model import common, families
+from model import families
+from model.params import abstract_params
 
 # Each process writes whole shards: Orbax's replica-parallel saving slices each replicated
 # shard eagerly, one XLA program per slice shape (seconds per save on CPUs; off on GPUs).
@@ -275,6 +276,6 @@ def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
-        common.abstract_params(families.of(cfg).param_specs(cfg), meta["run"]["param_dtype"]))
+        abstract_params(families.of(cfg).param_specs(cfg), meta["run"]["param_dtype"]))
     params, _ = read_params(source, abstract)
     return write_checkpoint(out, cfg, jax.tree.map(np.asarray, params), dtype)

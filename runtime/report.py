@@ -3,6 +3,7 @@ profile), the header (built as rows of data), a line per step, the summary; comp
 tables. Only process 0 prints and writes."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -16,11 +17,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import configs
-from model import common, families
+from model import families
 from model.config import LlamaConfig
-from runtime import backend, placement
-from runtime.placement import GiB
-from trainer.target import forward_options, quantization_words
+from model.params import param_count
+from runtime import backend, own_program
+from runtime.own_program import GiB, CompiledMemory
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -28,7 +29,7 @@ def _fmt_bytes(n: float | None) -> str:
 
 
 def model_line(cfg) -> str:
-    count = common.param_count(families.of(cfg).param_specs(cfg))
+    count = param_count(families.of(cfg).param_specs(cfg))
     if isinstance(cfg, LlamaConfig):
         shape = (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
                  f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}")
@@ -42,23 +43,9 @@ def model_line(cfg) -> str:
 def _placement_line(preset: str, tables: dict | None) -> str:
     if tables is None:
         return "none: no checkpointing, autodiff keeps every residual on device"
-    return f"{preset}: " + "; ".join(f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
-                     for scan, table in tables.items()) + "; all else remat"
-
-
-def kernels_line(model, run, target) -> str:
-    parts = []
-    for name, value in forward_options(model, run, target).items():
-        if name == "quantization":
-            parts.append(quantization_words(value))
-        elif name != "expert_parallel":
-            parts.append(f"{name} {value or 'xla'}")
-        else:
-            room = (f"blocks {value.capacity:g}x the balanced share" if value.capacity
-                    else "blocks sized for the worst case: dropless")
-            parts.append(f"experts split over the {value.devices} devices of each expert "
-                         f"group ({room}; one GEMM per expert)")
-    return ", ".join(parts)
+    return f"{preset}: " + "; ".join(
+        f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
+        for scan, table in tables.items()) + "; all else remat"
 
 
 def flags_line(run, target) -> str:
@@ -112,9 +99,16 @@ def say(text: str = "") -> None:
         print(text, flush=True)
 
 
-def _memory_words(built, target) -> str:
+def training_flops(model, program) -> float:
+    """Model FLOPs of one step per device (MaxText's formula: model/llama.py, deepseek.py)."""
+    devices = len(program.target.devices)
+    return families.of(model).training_flops(model, program.batch_size / devices,
+                                             program.run.seq)
+
+
+def _memory_words(program) -> str:
     """What the compiled program holds per device, against the pool where there is one."""
-    compiled = built.compiled_memory()
+    compiled, target = CompiledMemory.of(program.step), program.target
     words = f"{compiled.device / GiB:.2f} GiB per device"
     if pool := target.pool_bytes():
         fraction, variable = backend.memory_fraction()
@@ -123,10 +117,9 @@ def _memory_words(built, target) -> str:
                     if target.platform == "gpu" else "")
 
 
-def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
-                 first_step: int) -> None:
+def print_header(setup, program, run_dir: RunDir, flops: float, first_step: int) -> None:
     """The run header as (key, value) rows, then where each offloaded activation lives."""
-    run, full, target = setup.run, setup.experiment, built.target
+    run, full, target, batch_size = setup.run, setup.experiment, program.target, program.batch_size
     own = full.model == full.proxy_model  # an experiment at one size (shakespeare)
     scale = ("FULL -- the experiment's model and run settings" if setup.scale == "full" else
              "PROXY -- its own model, with CPU settings" if own else
@@ -140,30 +133,30 @@ def print_header(setup, built, batch_size: int, flops: float, run_dir: RunDir,
         ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
         *([] if own else [("full scale", f"{model_line(full.model)}; its memory plan and GPU "
                                          f"program: python -m study plan|compile {full.name}")]),
-        ("devices", f"{target.description}, mesh {dict(built.mesh.shape)}"),
+        ("devices", f"{target.description}, mesh {dict(program.mesh.shape)}"),
         ("batch", f"{batch_size} sequences x {run.seq} tokens "
                   f"({batch_size / len(target.devices):g} per device)"),
         ("dtypes", f"params {run.param_dtype}, compute {compute}; "
                    "softmax, norms and loss float32"),
-        ("kernels", kernels_line(setup.model, run, target)),
+        ("kernels", program.options.describe()),
         ("placement", _placement_line(run.preset, setup.placement)),
         ("xla flags", flags_line(run, target)),
-        ("memory", _memory_words(built, target)),
+        ("memory", _memory_words(program)),
         ("data", _data_words(setup, batch_size)),
         ("checkpoints", _checkpoint_words(setup, run_dir, first_step)),
-        ("compile", f"{built.compile_s:.1f} s (the step" + (" and the evaluation"
-                    if built.evaluate else "") + f"); model {flops / 1e12:,.2f} TFLOP per "
+        ("compile", f"{program.compile_s:.1f} s (the step" + (" and the evaluation"
+                    if run.eval_every else "") + f"); model {flops / 1e12:,.2f} TFLOP per "
                     "device per step (MaxText's formula)"),
         ("output", str(run_dir.path)),
     ]
     say("=" * 100)
     for key, value in rows:
         say(f"{key:<11} {value}")
-    if built.offloaded:
-        hlo = built.compiled.as_text() if target.platform == "gpu" else None
+    if offloaded := own_program.offloaded(program.traced.jaxpr):
+        hlo = program.step.as_text() if target.platform == "gpu" else None
         say("-" * 100)
         say("offloaded, per layer and device, in this run's compiled program:")
-        say("\n".join(placement.placement_lines(built.offloaded, hlo)))
+        say("\n".join(own_program.placement_lines(offloaded, hlo)))
     say("=" * 100)
 
 
@@ -226,12 +219,12 @@ class StepLog:
     counted from the previous step's completion, an evaluation's time not counted; with
     profile=true a trace of the run's second to fourth steps."""
 
-    def __init__(self, setup, built, run_dir: RunDir, batch_size: int, flops: float,
-                 first_step: int):
-        self.run, self.built, self.run_dir, self.flops = setup.run, built, run_dir, flops
-        self.tokens, self.first_step = batch_size * setup.run.seq, first_step
-        self.host_planned = sum(v.nbytes * v.count for sites in built.offloaded.values()
-                                for v in sites)
+    def __init__(self, setup, program, run_dir: RunDir, first_step: int):
+        self.run, self.program, self.run_dir = setup.run, program, run_dir
+        self.flops = training_flops(setup.model, program)
+        self.tokens, self.first_step = program.batch_size * setup.run.seq, first_step
+        self.host_planned = sum(v.nbytes * v.count for sites in own_program.offloaded(
+            program.traced.jaxpr).values() for v in sites)
         self.entropy = setup.data.unigram_entropy
         last = min(first_step + 3, setup.run.steps)
         self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
@@ -240,6 +233,19 @@ class StepLog:
         self.times: list[float] = []
         self.eval_loss: float | None = None
         self.last = time.perf_counter()
+
+    @classmethod
+    def start(cls, setup, program, first_step: int) -> "StepLog":
+        """The step (and its evaluation) compiled, then the run's folder, its config.json and
+        the header: a program that does not compile writes nothing."""
+        _ = program.step, program.evaluate if setup.run.eval_every else None
+        run_dir = RunDir.create(setup)
+        run_dir.write("config.json", {
+            "experiment": setup.experiment.name, "scale": setup.scale,
+            "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
+            "placement": setup.placement})
+        print_header(setup, program, run_dir, training_flops(setup.model, program), first_step)
+        return cls(setup, program, run_dir, first_step)
 
     def starting(self, step: int) -> None:
         if self.run_dir.main and self.profiled and step == self.profiled[0]:
@@ -290,7 +296,7 @@ class StepLog:
     def summary(self) -> dict:
         median = statistics.median(self.times[1:] or self.times)  # not step 1's warm-up
         stats = jax.local_devices()[0].memory_stats() or {}
-        analysis = self.built.compiled.memory_analysis()
+        analysis = self.program.step.memory_analysis()
         result = {
             "median_step_s": median, "tflops_per_device": self.flops / median / 1e12,
             "tokens_per_s": self.tokens / median,

@@ -17,7 +17,9 @@ from configs import ConfigError
 from data import tokenizer as tokenizers
 from data.tokens import META, TOKENIZER
 from hf.config import from_hf
-from model import common, families
+from model import families
+from model.options import ForwardOptions
+from model.params import abstract_params
 from runtime import checkpoints
 
 USAGE = ("usage: python train.py sample RUN [prompt=TEXT] [tokens=N] [temperature=T] "
@@ -67,11 +69,11 @@ class Model:
         cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         specs = families.of(self.cfg).param_specs(self.cfg)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
-                                common.abstract_params(specs, meta["run"]["param_dtype"]))
+                                abstract_params(specs, meta["run"]["param_dtype"]))
         params, _ = checkpoints.read_params(source, abstract)
         self.params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-        forward = families.of(self.cfg).forward
-        self.forward = jax.jit(lambda p, t: forward(p, t, self.cfg, dtype=jnp.float32)[0][0])
+        forward = families.of(self.cfg).forward  # float32, on one device
+        self.forward = jax.jit(lambda p, t: forward(p, t, self.cfg, ForwardOptions())[0][0])
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """The next token's logits [tokenizer vocabulary], float64, after `ids`."""

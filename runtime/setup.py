@@ -1,25 +1,24 @@
 """A run's settings, resolved and checked before anything is compiled (any mistake is one
-line and exit status 2), then built: the mesh, the step compiled ahead of time for its target
-(this machine's devices, or the study tools' compile-only GPUs), the state."""
+line and exit status 2); what a run checks of this machine once its program exists; and its
+first state, fresh or resumed."""
 
 import dataclasses
 import importlib.util
 import os
-import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 import configs
 from configs import ConfigError
-from hf.load import Checkpoint, open_checkpoint
-from model import common, families
-from offload import activations, optimizer_state
-from runtime import checkpoints, placement
 from data.tokens import token_source
-from trainer import program
-from trainer.step import make_optimizer
-from trainer.target import Target
+from hf.load import Checkpoint, open_checkpoint
+from model import families
+from offload import activations, optimizer_state
+from runtime import checkpoints
+from trainer.program import Program, quantization_problems
 
 
 @dataclasses.dataclass
@@ -83,8 +82,10 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     # Every impossible setting at once; NVFP4 widths only once the rest is sound (they are
     # found by tracing the model).
     found = configs.problems(model, run, run.mesh.devices if full else len(devices))
-    if found := found or program.quantization_problems(model, run):
+    if found := found or quantization_problems(model, run):
         raise ConfigError("; ".join(found))
+    if run.attention == "cudnn" and not full and devices[0].platform != "gpu":
+        raise ConfigError(f"attention=cudnn needs a GPU; this backend is {devices[0].platform}")
     data = token_source(run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
     if run.eval_every and data.val is None:
         raise ConfigError(f"eval_every={run.eval_every} needs a val split: data.path= a folder "
@@ -106,121 +107,61 @@ def resolve_placement(model, run: configs.RunConfig) -> dict | None:
             raise ConfigError("placement.<tag> overrides need a preset, not preset=none")
         return None
     try:
-        return activations.placement(run.preset, run.placement, families.scan_tags(model))
+        return activations.resolve(run.preset, run.placement, families.of(model).SCANS)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def init_state(setup: Setup, rules: common.AxisRules, optimizer):
-    """Parameters and optimizer state, created sharded (FSDP) on the mesh."""
-    shardings = jax.tree.map(lambda a: a.sharding,
-                             program.abstract_state(setup.model, setup.run, rules, optimizer))
-    specs = families.of(setup.model).param_specs(setup.model)
-    dtype = jnp.dtype(setup.run.param_dtype)
-    if setup.hf_params is None:
-        params = common.init_params(specs, rules, jax.random.key(setup.run.seed), dtype)
-    else:
-        params = setup.hf_params.arrays(shardings["params"], dtype)
-    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
-    return {"params": params, "opt_state": opt_state,
-            "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+def start_state(program: Program, setup: Setup) -> tuple[dict, int]:
+    """(state, steps already done): the resume checkpoint's, resharded onto the program's
+    mesh, or a fresh one. Before the step compiles: a checkpoint that does not read costs none."""
+    if setup.resume is None:
+        return program.init_state(setup.hf_params), 0
+    state, meta = checkpoints.restore(setup.resume, program.state_shapes)
+    return state, meta["step"]
 
 
-def global_batch(tokens, sharding) -> jax.Array:
-    """The global batch [B, T+1] every process built alike, each holding its devices' rows."""
-    return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
-
-
-def evaluate(setup: Setup, built: "Built", params, batch_size: int) -> float:
-    """The mean cross-entropy over the run's eval_batches fixed batches of val windows."""
-    run, sharding = setup.run, built.rules.sharding(("batch", None))
-    losses = [built.evaluate(params, global_batch(setup.data.val.eval_batch(
-        index, batch_size, run.seq, run.eval_batches), sharding))
-        for index in range(run.eval_batches)]
-    return float(sum(map(float, losses)) / run.eval_batches)
-
-
-@dataclasses.dataclass
-class Built:
-    """A run's step compiled for its target, and what its report needs; no array exists yet."""
-    target: Target
-    rules: common.AxisRules  # its mesh, rules.mesh
-    optimizer: object
-    compiled: jax.stages.Compiled
-    compile_s: float
-    offloaded: dict  # tag -> the values the traced step moves to host (runtime/placement.py)
-    arrived: int = 0  # host optimizer state compiled as device arguments (compile-only GPUs)
-    evaluate: jax.stages.Compiled | None = None  # the forward-only loss, with eval_every
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh:
-        return self.rules.mesh
-
-    def compiled_memory(self) -> placement.CompiledMemory:
-        return placement.CompiledMemory.of(self.compiled, self.arrived)
-
-
-def layout(setup: Setup, target: Target) -> tuple[common.AxisRules, object]:
-    """The run's mesh (in its axis rules) and optimizer, once the target can run it at all."""
-    run = setup.run
-    if run.attention == "cudnn" and target.platform != "gpu":
-        raise ConfigError(f"attention=cudnn needs a GPU; this backend is {target.platform}")
-    mesh = program.make_mesh(run, target.devices)
-    rules, optimizer = common.AxisRules(mesh=mesh), make_optimizer(run.optimizer, run.steps)
-    if run.optimizer_state == "host" and not target.compile_only:
-        check_host_state(setup, target, rules, optimizer)
-    return rules, optimizer
-
-
-def check_host_state(setup: Setup, target: Target, rules, optimizer) -> None:
-    """optimizer_state=host on this machine: its devices must have pinned host memory, and
-    the host room for the state twice over (it and its new copy, during the update)."""
-    kinds = {m.kind for m in target.devices[0].addressable_memories()}
-    if "pinned_host" not in kinds:
-        raise ConfigError(f"optimizer_state=host: the {target.platform} backend has no "
-                          f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
-    abstract = program.abstract_state(setup.model, setup.run, rules, optimizer)
-    need = 2 * optimizer_state.moment_bytes(abstract["opt_state"]) * len(jax.local_devices())
-    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need > have:
-        raise ConfigError(f"optimizer_state=host: the state and its new copy need "
-                          f"{need / 2**30:.1f} GiB of host memory here, the host has "
-                          f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
-
-
-def build(setup: Setup, target: Target, laid_out=None, extra_options=None) -> Built:
-    """The one path from settings to a compiled step, for a run here and for the study tools on
-    compile-only GPUs (`extra_options`); `laid_out`: `layout`'s, when the caller has it."""
-    run = setup.run
-    rules, optimizer = laid_out or layout(setup, target)
-    started = time.perf_counter()
-    jaxpr, compiled = program.compile_step(setup.model, run, setup.placement, rules, optimizer,
-                                           target, extra_options)
-    arrived = 0
-    if run.optimizer_state == "host" and target.compile_only:
-        abstract = program.abstract_state(setup.model, run, rules, optimizer)
-        arrived = optimizer_state.moment_bytes(abstract["opt_state"])
-    evaluate = (program.compile_eval(setup.model, run, setup.placement, rules, optimizer, target)
-                if run.eval_every and not target.compile_only else None)
-    return Built(target, rules, optimizer, compiled, time.perf_counter() - started,
-                 placement.tagged_in(jaxpr.jaxpr, offloaded=True), arrived, evaluate)
-
-
-def check_host_reads(built: Built) -> None:
-    """Stop an offloading GPU run whose jax reads activations back in the wrong layer order."""
-    if (built.target.platform == "gpu" and not built.target.compile_only and built.offloaded
-            and not placement.host_reads_in_order()):
+def check_machine(program: Program, offloads: bool) -> None:
+    """What this machine must have for the program: with optimizer_state=host, pinned host
+    memory and room for the state twice over (it and its new copy, during the update); on a
+    GPU whose run offloads activations, a jax that reads them back in the right layer order."""
+    target = program.target
+    if program.run.optimizer_state == "host":
+        kinds = {m.kind for m in target.devices[0].addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise ConfigError(f"optimizer_state=host: the {target.platform} backend has no "
+                              f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
+        moments = optimizer_state.moment_bytes(program.state_shapes["opt_state"])
+        need = 2 * moments * len(jax.local_devices())
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > have:
+            raise ConfigError(f"optimizer_state=host: the state and its new copy need "
+                              f"{need / 2**30:.1f} GiB of host memory here, the host has "
+                              f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
+    if target.platform == "gpu" and offloads and not host_reads_in_order():
         raise ConfigError("this jax reads offloaded activations back from the wrong layers on "
                           "this GPU (openxla/xla #46231; fixed in jax 0.11.1): the gradients "
                           "would be wrong; use the pinned jax or a placement without offload")
 
 
-def start_state(setup: Setup, target: Target, laid_out) -> tuple[dict, int]:
-    """(state, steps already done): the resume checkpoint's, resharded onto this run's mesh, or
-    a fresh one. Called before the step compiles: a checkpoint that does not read costs none."""
-    rules, optimizer = laid_out
-    if setup.resume is None:
-        return init_state(setup, rules, optimizer), 0
-    abstract = program.abstract_state(setup.model, setup.run, rules, optimizer)
-    state, meta = checkpoints.restore(setup.resume, abstract)
-    return state, meta["step"]
+def _probe_gradient(policy, weights, x):
+    def layer(x, w):
+        y = checkpoint_name(jnp.sin(x * w), "probe")
+        return x + jnp.cos(y) * w, None
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(body, x, w)[0])))(weights)
+
+
+def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
+    """Whether this jax reads offloaded activations back from the layer that wrote them: a scan
+    whose layers each offload one value must have the gradient of one that keeps them on the
+    device. jaxlib 0.10.2 and 0.11.0 read them back in the wrong order on GPUs (openxla/xla
+    #46231)."""
+    offload = activations.checkpoint_policy({"probe": "offload"})
+    keys = jax.random.split(jax.random.key(0), 2)
+    weights = jax.random.normal(keys[0], (layers, 8, 128), jnp.float32)
+    x = jax.random.normal(keys[1], (8, 128), jnp.float32)
+    kept, offloaded = (np.asarray(jax.jit(gradient, static_argnums=0)(p, weights, x))
+                       for p in (None, offload))
+    return bool(np.allclose(offloaded, kept, rtol=1e-4, atol=1e-5))

@@ -18,10 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import configs
-from model import common, families
+from data.tokens import SyntheticTokens
+from model import families
+from model.options import ForwardOptions
+from model.params import init_params
+from model.sharding import AxisRules, make_mesh
 from offload import activations
 from runtime import report
-from data.tokens import SyntheticTokens
 from trainer import program
 from trainer import step as trainer_step
 from trainer import target as trainer_target
@@ -53,19 +56,20 @@ def matmul_ceiling(n: int = 2048, repeats: int = 10) -> float:
 
 
 def proxy_params(model):
-    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    return common.init_params(families.of(model).param_specs(model),
-                              common.AxisRules(mesh=mesh), jax.random.key(0))
+    mesh = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    return init_params(families.of(model).param_specs(model), AxisRules(mesh=mesh),
+                       jax.random.key(0))
 
 
 def step_time(model, run, preset: str, repeats: int) -> float:
-    tables = None if preset == activations.NO_CHECKPOINT else activations.placement(
-        preset, {}, families.scan_tags(model))
+    tables = None if preset == activations.NO_CHECKPOINT else activations.resolve(
+        preset, {}, families.of(model).SCANS)
     params = proxy_params(model)
     optimizer = trainer_step.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     run = dataclasses.replace(run, optimizer_state="device")  # where `state` is made here
-    step = program.make_step(model, run, tables, None, optimizer, trainer_target.this_machine())
+    options = program.forward_options(model, run, tables, None, trainer_target.this_machine())
+    step = jax.jit(program.make_step(model, run, options, optimizer), donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
 
     def one_step():
@@ -117,8 +121,8 @@ def nvfp4_costs(model, run, repeats: int) -> None:
     def logits(dtype, changes):
         quantization = trainer_target.quantization(dataclasses.replace(run, **changes),
                                                    trainer_target.this_machine())
-        forward = partial(families.of(model).forward, cfg=model, dtype=dtype,
-                          quantization=quantization)
+        forward = partial(families.of(model).forward, cfg=model,
+                          options=ForwardOptions(dtype, quantization=quantization))
         return np.asarray(jax.jit(forward)(params, tokens)[0], np.float64)
 
     reference = logits(jnp.bfloat16, QUANT_ROWS["none"])

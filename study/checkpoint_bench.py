@@ -22,6 +22,7 @@ import train
 from runtime import checkpoints
 from runtime import setup as runtime_setup
 from trainer import target as trainer_target
+from trainer.program import Program
 
 INTERVALS = (0, 1, 10)  # checkpoint_every: none, every step, a realistic interval
 
@@ -41,8 +42,8 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> str:
     """The proxy's train state: its size, and how long saving and restoring it take."""
     target = trainer_target.this_machine()
     setup = runtime_setup.resolve(name, args, target.devices)
-    laid_out = runtime_setup.layout(setup, target)
-    state, _ = runtime_setup.start_state(setup, target, laid_out)
+    program = Program(setup.model, setup.run, setup.placement, target)
+    state, _ = runtime_setup.start_state(program, setup)
     saver = checkpoints.Saver(directory, keep=1, every=1)
     started = time.perf_counter()
     saver.save(1, jax.block_until_ready(state), {"step": 1})
@@ -51,7 +52,7 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> str:
     on_disk = time.perf_counter() - started
     setup.resume = checkpoints.find(str(directory), "", "")
     started = time.perf_counter()
-    jax.block_until_ready(runtime_setup.start_state(setup, target, laid_out)[0])
+    jax.block_until_ready(runtime_setup.start_state(program, setup)[0])
     restore = time.perf_counter() - started
     mib = sum(a.nbytes for a in jax.tree.leaves(state)) / 2**20
     return (f"\n{name} proxy train state: {mib:.0f} MiB (parameters and Adam moments, f32), "

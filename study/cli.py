@@ -11,7 +11,15 @@ from runtime.setup import Setup, resolve
 from study import plan as plans, predicted, search_report
 from study.compile_only import DEVICELESS, compile_only
 from study.compiled import compile_row
-from study.gpus import GPUS
+from study.gpus import Gpu, gpu_of
+
+
+def study_setup(name: str, args: list[str]) -> tuple[Setup, Gpu]:
+    """The experiment's full-scale settings (the trainer's `resolve`) and the GPU it is studied
+    on: its own, or `device=NAME` (a word of the study tools, not of a run)."""
+    devices = [a.partition("=")[2] for a in args if a.startswith("device=")]
+    gpu = gpu_of(name, devices[-1] if devices else "")
+    return resolve(name, [a for a in args if not a.startswith("device=")], full=True), gpu
 
 
 def check_out_dir(setup: Setup) -> None:
@@ -23,10 +31,10 @@ def check_out_dir(setup: Setup) -> None:
 
 def plan(name: str, args: list[str]) -> None:
     """The experiment's full-scale memory plan and placement list (overrides applied)."""
-    setup = resolve(name, args, full=True)
+    setup, gpu = study_setup(name, args)
     started = time.perf_counter()
-    memory_plan = plans.full_scale(setup.experiment, setup.placement)
-    print("\n".join(plans.plan_lines(name, setup.run, memory_plan)))
+    memory_plan = plans.full_scale(setup.experiment, gpu, setup.placement)
+    print("\n".join(plans.plan_lines(name, setup.run, gpu, memory_plan)))
     print(f"(planned in {time.perf_counter() - started:.1f} s from abstract values: nothing "
           "allocated; offloads read from the step exported for a GPU)")
 
@@ -34,20 +42,19 @@ def plan(name: str, args: list[str]) -> None:
 def compile(name: str, args: list[str]) -> None:
     """The experiment's full-scale step compiled for its GPUs (`device`) on compile-only devices,
     as a run would (the trainer's `build`): XLA's memory beside the plan, and the step replayed."""
-    setup = resolve(name, args, full=True)
+    setup, gpu = study_setup(name, args)
     check_out_dir(setup)
-    row = compile_row(setup)
-    run, gpu, target = setup.run, row.gpu, row.built.target
-    print(f"compiled: {name} at full scale for {target.description}, "
+    row = compile_row(setup, gpu)
+    run, target = setup.run, row.program.target
+    print(f"compiled: {name} at full scale for {target.description}, compile-only, "
           f"topology {gpu.topology(len(target.devices))}, mesh {dict(row.mesh.shape)}, "
-          f"{report.model_line(setup.model)}; in {row.built.compile_s:.1f} s")
+          f"{report.model_line(setup.model)}; in {row.program.compile_s:.1f} s")
     deviceless = " ".join(f"{k}={v}" for k, v in DEVICELESS.items())
     print(f"xla flags: {report.flags_line(run, target)} (compile-only devices also set "
-          f"{deviceless}: study/compile_only.py); kernels: "
-          f"{report.kernels_line(setup.model, run, target)}")
-    print("\n".join(plans.plan_lines(name, run, row.full_plan)))
+          f"{deviceless}: study/compile_only.py); kernels: {row.program.options.describe()}")
+    print("\n".join(plans.plan_lines(name, run, gpu, row.full_plan)))
     compiled = row.compiled_memory()
-    print("\n".join(plans.compiled_lines(compiled, row.full_plan, gpu)))
+    print("\n".join(plans.compiled_lines(compiled, row.full_plan, gpu, row.arrived)))
     prediction = predicted.of_experiment(setup.experiment, row.hlo, gpu, len(target.devices),
                                          keep_slices=True,
                                          device_ids=[d.id for d in row.mesh.devices.flat])
@@ -64,25 +71,25 @@ def search(name: str, args: list[str]) -> None:
     """The experiment's placements ranked by predicted memory and step time on its `device`;
     `search.verify=N` compiles the best N and the model's rows, ranked by their replay."""
     args, options = search_report.split_options(args)
-    setup = resolve(name, args, full=True)
+    setup, gpu = study_setup(name, args)
     if options["plot"] != "off":
         check_out_dir(setup)
-    result = search_report.run_search(setup.experiment, options, time.perf_counter)
+    result = search_report.run_search(setup.experiment, gpu, options, time.perf_counter)
     print("\n".join(search_report.report_lines(result, int(options["top"]))))
     if options["plot"] != "off" and jax.process_index() == 0:  # one picture per launch
         print(search_report.write_plot(result, setup.run.out_dir))
     if not (verify := int(options["verify"])):
         return
-    gpu = GPUS[setup.run.device]
     target = compile_only(gpu, setup.run.mesh.devices)
+    args = [a for a in args if not a.startswith("device=")]  # the rows' GPU is `gpu`
     rows = {tuple(search_report.run_overrides(p, setup.model)) for p in result.rows}
     todo = [(p, name, [*args, *search_report.run_overrides(p, setup.model)])
             for p in result.ranked[:verify]
             if tuple(search_report.run_overrides(p, setup.model)) not in rows]  # one compile each
-    todo += [(p, p.candidate.row, [f"device={gpu.name}"]) for p in result.rows]
+    todo += [(p, p.candidate.row, []) for p in result.rows]
     found = []
     for prediction, experiment, overrides in todo:
-        row = compile_row(resolve(experiment, overrides, full=True), target)
+        row = compile_row(resolve(experiment, overrides, full=True), gpu, target)
         what = experiment if prediction.candidate.row else " ".join(overrides[len(args):])
         replayed = predicted.of_experiment(row.setup.experiment, row.hlo, gpu, len(target.devices))
         found.append(search_report.Verified(prediction, row.compiled_memory(), replayed, what))

@@ -2,7 +2,7 @@
 
     python -m study compile-table [EXPERIMENT ...] [key=value ...]
 
-Each row is built on compile-only devices (`runtime_setup.build`, as `make compile-ROW` does):
+Each row is built on compile-only devices (study/compiled.py, as `make compile-ROW` does):
 XLA's memory per device beside the static plan and the study's figure; does it fit JAX's pool?
 """
 
@@ -10,8 +10,8 @@ import time
 
 import configs
 from runtime import backend
-from runtime import setup as runtime_setup
-from runtime.placement import GiB
+from runtime.own_program import GiB
+from study.cli import study_setup
 from study.compile_only import pool_bytes
 from study.compiled import compile_row
 
@@ -24,7 +24,7 @@ STUDY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
 
 def row(name: str, overrides: list[str]) -> list[str]:
     started = time.perf_counter()
-    built = compile_row(runtime_setup.resolve(name, overrides, full=True))
+    built = compile_row(*study_setup(name, overrides))
     compiled, static = built.compiled_memory(), built.full_plan
     study = STUDY_GIB.get(name)
     return [name, f"{compiled.arguments / GiB:.1f}", f"{compiled.temporaries / GiB:.1f}",
@@ -33,7 +33,7 @@ def row(name: str, overrides: list[str]) -> list[str]:
             "-" if study is None else f"{study:.1f}",
             f"{compiled.host / GiB:.1f}", f"{static.host_activations / GiB:.1f}",
             "fits" if compiled.device <= pool_bytes(built.gpu) else "DOES NOT FIT",
-            f"{built.built.compile_s:.0f}", f"{time.perf_counter() - started:.0f}"]
+            f"{built.program.compile_s:.0f}", f"{time.perf_counter() - started:.0f}"]
 
 
 def main(argv: list[str]) -> int:

@@ -1,42 +1,50 @@
-"""A run's step compiled for its GPUs on compile-only devices by the trainer's `build`, beside the
-full-scale static plan and the run's placement list checked on it (host buffers, addressing)."""
+"""A run's step compiled for its GPUs on compile-only devices, as the trainer's `Program` builds
+it, beside the full-scale static plan and the run's placement list checked on it (host buffers,
+addressing)."""
 
 import dataclasses
 import functools
 
-from runtime import setup as runtime_setup
+import jax
+
+from offload.optimizer_state import HOST, moment_bytes
+from runtime.own_program import CompiledMemory
+from runtime.setup import Setup
 from study import memory, plan
-from study.compile_only import DEVICELESS, compile_only, kernel_checks
-from study.gpus import GPUS, Gpu
+from study.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
+from study.gpus import Gpu
 from study.traced_step import TracedStep
+from trainer.program import Program
 from trainer.target import Target
 
 
 @dataclasses.dataclass
 class CompiledRow:
-    """The compiled step; the plan and the placement list are traced when first asked for."""
-    setup: runtime_setup.Setup
+    """The compiled step; the plan and the placement list are traced when first asked for.
+    `arrived`: bytes of host optimizer state the compile-only program takes as device
+    arguments (on a GPU they arrive in host memory)."""
+    setup: Setup
     gpu: Gpu
-    built: runtime_setup.Built
+    program: Program
+    compiled: jax.stages.Compiled
+    arrived: int = 0
 
     @functools.cached_property
     def hlo(self) -> str:  # (printing a full-width module takes seconds: once)
-        return self.built.compiled.as_text()
-
-    @property
-    def compiled(self):
-        return self.built.compiled
+        return self.compiled.as_text()
 
     @property
     def mesh(self):
-        return self.built.mesh
+        return self.program.mesh
 
-    def compiled_memory(self):
-        return self.built.compiled_memory()
+    def compiled_memory(self) -> CompiledMemory:
+        """XLA's memory of the compiled step, the arrived state off its device arguments."""
+        compiled = CompiledMemory.of(self.compiled)
+        return dataclasses.replace(compiled, arguments=compiled.arguments - self.arrived)
 
     @functools.cached_property
     def _mesh_shape(self) -> tuple[int, ...]:
-        return self.setup.run.mesh.shape(len(self.built.target.devices))
+        return self.setup.run.mesh.shape(len(self.program.target.devices))
 
     @property
     def _is_full_scale(self) -> bool:
@@ -48,7 +56,7 @@ class CompiledRow:
     def full_plan(self) -> memory.MemoryPlan:
         """The experiment's full-scale static plan (with this compiled placement if full-scale)."""
         hlo = self.hlo if self._is_full_scale else None
-        return plan.full_scale(self.setup.experiment, self.setup.placement, hlo)
+        return plan.full_scale(self.setup.experiment, self.gpu, self.setup.placement, hlo)
 
     @functools.cached_property
     def run_tags(self) -> list[memory.TagLine]:
@@ -59,10 +67,27 @@ class CompiledRow:
         return memory.tag_lines(step, self.setup.placement, self.hlo)
 
 
-def compile_row(setup: runtime_setup.Setup, target: Target | None = None) -> CompiledRow:
-    """`setup`'s step compiled as a run on its `device`'s GPUs would (one `target` for several)."""
-    gpu = GPUS[setup.run.device]
+def arriving(step_function):
+    """The step, its optimizer state's moments first moved to host memory (in ARRIVAL)."""
+    def step(state, batch):
+        with jax.named_scope(ARRIVAL):
+            moments = jax.tree.map(lambda x: jax.device_put(x, HOST) if x.ndim else x,
+                                   state["opt_state"])
+        return step_function({**state, "opt_state": moments}, batch)
+    return step
+
+
+def compile_row(setup: Setup, gpu: Gpu, target: Target | None = None) -> CompiledRow:
+    """`setup`'s step compiled as a run on `gpu`s would (one `target` for several rows)."""
     target = target or compile_only(gpu, setup.run.mesh.devices)
+    program = Program(setup.model, setup.run, setup.placement, target)
+    if setup.run.optimizer_state == "host":
+        with kernel_checks(target):
+            traced = jax.jit(arriving(program.step_function()), donate_argnums=0).trace(
+                program.state_shapes, program.batch_shape)
+            compiled = program.compile(traced, DEVICELESS)
+        return CompiledRow(setup, gpu, program, compiled,
+                           moment_bytes(program.state_shapes["opt_state"]))
     with kernel_checks(target):
-        built = runtime_setup.build(setup, target, extra_options=DEVICELESS)
-    return CompiledRow(setup, gpu, built)
+        program.step = program.compile(program.traced, DEVICELESS)  # the run's own, compiled
+    return CompiledRow(setup, gpu, program, program.step)

@@ -26,6 +26,7 @@ import numpy as np
 
 import configs
 from model import llama, quant
+from model.options import ForwardOptions
 from runtime.setup import resolve_placement
 from study import addressing, hlo, replay
 from study.bench import in_a_fresh_process, proxy_params, timed
@@ -43,7 +44,7 @@ def value_and_grad_fn(model, tables, dtype, run):
     on a GPU in bf16, the run's NVFP4 path), with its flags, over whole sequences (no chunks)."""
     target = trainer_target.this_machine()
     run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name, loss_chunks=1)
-    loss = program.make_loss(model, run, tables, None, target)
+    loss = program.make_loss(model, run, program.forward_options(model, run, tables, None, target))
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
                    compiler_options=trainer_target.compiler_options(run, target) or None)
 
@@ -124,8 +125,8 @@ def check_nvfp4() -> list[str]:
     tokens = jax.random.randint(jax.random.key(2), (2, 65), 0, SMOKE.vocab)
 
     def loss_and_grads(path, dtype, device=None):
-        loss = partial(trainer_step.loss_fn, model=SMOKE, policies=None, rules=None,
-                       dtype=dtype, quantization=quant.Quantization(path))
+        loss = partial(trainer_step.loss_fn, model=SMOKE,
+                       options=ForwardOptions(dtype, quantization=quant.Quantization(path)))
         args = jax.device_put((params, tokens), device) if device else (params, tokens)
         (value, _), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
             *args, jax.random.key(3))

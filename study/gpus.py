@@ -93,3 +93,16 @@ GPUS = {gpu.name: gpu for gpu in (
     Gpu("h200", peaks=HOPPER, nvlink=450e9, **DGX),
     Gpu("h100", peaks=HOPPER, nvlink=450e9, **DGX),
 )}
+
+# The GPU each experiment is planned, compiled and replayed for unless `device=NAME` says
+# otherwise: the study's GB200s, but for the rows made for another machine.
+EXPERIMENT_GPUS = {"llama70b-8xh200": "h200"}
+
+
+def gpu_of(experiment: str, device: str = "") -> Gpu:
+    """The GPU `experiment` is studied on: `device` (a key of GPUS) or its own."""
+    name = device or EXPERIMENT_GPUS.get(experiment, "gb200")
+    if name not in GPUS:
+        from configs import ConfigError  # (configs imports no JAX: this module neither)
+        raise ConfigError(f"device={name!r}: choose one of {', '.join(GPUS)}")
+    return GPUS[name]

@@ -9,7 +9,7 @@ import numpy as np
 # saved_residuals is what the public jax.ad_checkpoint.print_saved_residuals prints from.
 from jax._src import ad_checkpoint
 
-from runtime.placement import Tagged, scope, sub_jaxprs, tagged_in
+from runtime.own_program import Tagged, scope, sub_jaxprs, tagged_in
 
 
 def tagged_values(fn, *args) -> dict[str, list[Tagged]]:

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from study import placement
+from study import offload_proof
 from study.addressing import Proof
 from study.jaxpr import Residual, Tagged
 from study.traced_step import TracedStep
@@ -103,7 +103,7 @@ def tag_lines(step: TracedStep, tables: dict | None,
     exported = step.exported(tables)
     in_host = None  # (scan, tag) -> the addressing proof of its host buffer
     if compiled_hlo is not None:
-        in_host = placement.compiled_host_buffers(compiled_hlo, step.moved(tables),
+        in_host = offload_proof.compiled_host_buffers(compiled_hlo, step.moved(tables),
                                                   host_state_buffers(step))
     tables = tables or {}
     return [TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"), (s.scan, s.tag) in step.needed,

@@ -18,21 +18,22 @@ import jax.numpy as jnp
 from study import addressing, memory
 from study.traced_step import TracedStep
 from configs import Experiment, RunConfig
-from study.gpus import GPUS, Gpu
+from study.gpus import Gpu
 from offload import activations
 from runtime import backend
 from trainer import target
-from runtime.placement import GiB, CompiledMemory, size_words as _size
+from runtime.own_program import GiB, CompiledMemory, size_words as _size
 from study.compile_only import pool_bytes
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 HOST_POOL_DEFAULT_GIB = 64  # XLA's pinned-host allocator on GPU, unless the variable says more
 
 
-def full_scale(experiment: Experiment, tables: dict | None,
+def full_scale(experiment: Experiment, gpu: Gpu, tables: dict | None,
                compiled_hlo: str | None = None) -> memory.MemoryPlan:
-    """The experiment's full-scale plan under these tables (given compiled HLO, XLA's placement)."""
-    run, gpu = experiment.run, GPUS[experiment.run.device]
+    """The experiment's full-scale plan on `gpu`s under these tables (given compiled HLO,
+    XLA's placement)."""
+    run = experiment.run
     step = TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
     return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
                        pool_bytes(gpu), gpu.host_memory)
@@ -89,13 +90,13 @@ def _verdict(line: memory.TagLine) -> str:
     return {"device": "stays on device", "remat": "recomputed"}.get(line.placement, "NOT OFFLOADED")
 
 
-def plan_lines(name: str, run: RunConfig, plan: memory.MemoryPlan) -> list[str]:
+def plan_lines(name: str, run: RunConfig, gpu: Gpu, plan: memory.MemoryPlan) -> list[str]:
     """The whole plan: a title, the placement list, the memory lines."""
     mesh = run.mesh
     title = (f"memory plan: {name} at full scale, per device of the mesh data={mesh.data} x "
-             f"fsdp={mesh.fsdp} x expert={mesh.expert} ({run.device}); "
+             f"fsdp={mesh.fsdp} x expert={mesh.expert} ({gpu.name}); "
              f"{run.batch(mesh.devices)} sequences x {run.seq} tokens; preset {run.preset}")
-    return [title, *placement_lines(plan.tags), *memory_lines(plan, GPUS[run.device], run)]
+    return [title, *placement_lines(plan.tags), *memory_lines(plan, gpu, run)]
 
 
 def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryPlan,
@@ -109,7 +110,7 @@ def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryP
 def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
     """What `gpu` makes of the run's NVFP4 (trainer/target.py's `quantization` for a compile)."""
     chosen = target.quantization(run, target.Target("gpu", gpu.capability))
-    words = target.quantization_words(chosen)
+    words = chosen.describe()
     if chosen.path == "scaled":
         return f"{words} (the {gpu.name}'s)"
     major, minor = gpu.capability
@@ -173,8 +174,10 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]
     return out
 
 
-def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan, gpu: Gpu) -> list[str]:
-    """XLA's per-device memory of the compiled program beside the static plan: does it fit?"""
+def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan, gpu: Gpu,
+                   arrived: int = 0) -> list[str]:
+    """XLA's per-device memory of the compiled program beside the static plan: does it fit?
+    `arrived`: the host optimizer state a compile-only program took as device arguments."""
     rows = [
         ("arguments", compiled.arguments, plan.params + plan.device_optimizer,
          "the state (parameters, optimizer) and the batch; static: the state"),
@@ -193,8 +196,8 @@ def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan, gpu: Gpu) 
     ]
     out = [f"{'per device':<20}{'compiled':>11}{'static plan':>13}"]
     out += [f"{name:<20}{_size(a):>11}{_size(b):>13}  {why}" for name, a, b, why in rows]
-    if compiled.arrived:
-        out.append(f"the optimizer state's {_size(compiled.arrived)}: compile-only GPUs have no "
+    if arrived:
+        out.append(f"the optimizer state's {_size(arrived)}: compile-only GPUs have no "
                    f"memory kinds (jax {jax.__version__}), so XLA compiled them as device "
                    "arguments moved to host first; on a GPU they arrive in host memory: not in "
                    "the device figures above; the compiled host figure holds that first copy")

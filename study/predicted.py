@@ -9,7 +9,7 @@ import configs
 from model import families
 from study import hlo, memory, replay
 from study.gpus import Gpu
-from runtime.placement import CompiledMemory
+from runtime.own_program import CompiledMemory
 
 
 @dataclasses.dataclass

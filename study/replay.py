@@ -19,8 +19,8 @@ import math
 import re
 
 from study import hlo
+from study.compile_only import ARRIVAL
 from study.gpus import Gpu
-from offload.optimizer_state import ARRIVAL
 
 STREAMS = ("compute", "collectives", "to host", "from host", "async compute")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",

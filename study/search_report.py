@@ -19,11 +19,11 @@ import configs
 from study import memory, plan, search
 from study.traced_step import TracedStep
 from configs import LHS, PIPELINED, ConfigError, Experiment
-from study.gpus import GPUS, Gpu
+from study.gpus import Gpu
 from model import families
 from model.config import DeepSeekConfig
 from offload import activations
-from runtime.placement import GiB, CompiledMemory
+from runtime.own_program import GiB, CompiledMemory
 from runtime.setup import resolve_placement
 from study.compile_only import pool_bytes
 
@@ -51,8 +51,8 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
 class Tracer:
     """An experiment traced per micro batch and expert-parallel degree, and the search's inputs."""
 
-    def __init__(self, experiment: Experiment):
-        self.model, self.run = experiment.model, experiment.run
+    def __init__(self, experiment: Experiment, gpu: Gpu):
+        self.model, self.run, self.gpu = experiment.model, experiment.run, gpu
         self.scans = list(families.of(self.model).SCANS)
         self.remat = {s: {} for s in self.scans}
         self.steps: dict[tuple[int, int], TracedStep] = {}
@@ -128,7 +128,7 @@ class Tracer:
         optimizer state's bytes: the static plan's arithmetic."""
         step = self.step(batch, expert)
         lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
-        gpu = GPUS[self.run.device]
+        gpu = self.gpu
         planned = memory.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory)
         return planned.peak_estimate - planned.device_optimizer, planned.optimizer
 
@@ -136,13 +136,13 @@ class Tracer:
 _TRACERS: dict[tuple, Tracer] = {}
 
 
-def tracer_for(experiment: Experiment) -> Tracer:
-    """One Tracer per model and the run settings that change what is traced (placement,
-    flags, batch and GPU aside: a tracer sets them), shared by the rows that differ only so."""
+def tracer_for(experiment: Experiment, gpu: Gpu) -> Tracer:
+    """One Tracer per model, GPU and the run settings that change what is traced (placement,
+    flags and batch aside: a tracer sets them), shared by the rows that differ only so."""
     traced = dataclasses.replace(experiment.run, preset="", placement=None, xla_flags=None,
-                                 per_device_batch=1, global_batch=0, device="")
-    key = (experiment.model, dataclasses.astuple(traced))
-    return _TRACERS.setdefault(key, Tracer(experiment))
+                                 per_device_batch=1, global_batch=0)
+    key = (experiment.model, gpu.name, dataclasses.astuple(traced))
+    return _TRACERS.setdefault(key, Tracer(experiment, gpu))
 
 
 def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
@@ -188,7 +188,7 @@ def batches_of(experiment: Experiment, text: str) -> list[int]:
     return found
 
 
-def experts_of(experiment: Experiment, text: str) -> list[int]:
+def experts_of(experiment: Experiment, gpu: Gpu, text: str) -> list[int]:
     """Expert-parallel degrees: given, or for a MoE model its own and every power of two from 2 up
     to one NVLink domain that divides its experts and the devices the data axis leaves. Not 1 unless
     asked: without expert parallelism a GPU computes the experts with `ragged_dot`, which XLA
@@ -201,7 +201,7 @@ def experts_of(experiment: Experiment, text: str) -> list[int]:
                               "experts to split")
         return [1]
     if not text:
-        domain = GPUS[run.device].domain_size(run.mesh.devices)
+        domain = gpu.domain_size(run.mesh.devices)
         powers = [2**i for i in range(1, per_replica.bit_length())]
         return sorted({run.mesh.expert} | {e for e in powers if e <= domain and not (
             model.n_experts % e or per_replica % e)})
@@ -212,18 +212,18 @@ def experts_of(experiment: Experiment, text: str) -> list[int]:
     return found
 
 
-def run_search(experiment: Experiment, options: dict, clock) -> Result:
-    """Search `experiment`'s placements on its device; the top `exact` fitting candidates and
+def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result:
+    """Search `experiment`'s placements on `gpu`s; the top `exact` fitting candidates and
     the study's rows get their recompute counted from their own trace."""
     started = clock()
     run = experiment.run
-    tracer = tracer_for(experiment)
-    hw = hardware(GPUS[run.device], run.mesh.devices)
+    tracer = tracer_for(experiment, gpu)
+    hw = hardware(gpu, run.mesh.devices)
     # The registered rows of this model, sequence and mesh: the study's and any searched one.
     rows = [row_candidate(tracer, e) for e in configs.EXPERIMENTS.values()
             if (e.model, e.run.seq, e.run.mesh) == (experiment.model, run.seq, run.mesh)]
     batches = batches_of(experiment, options["batches"])
-    degrees = experts_of(experiment, options["experts"])
+    degrees = experts_of(experiment, gpu, options["experts"])
     works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
     ranked = search.search(works, hw, [search.Schedule(True), search.Schedule(True, True)])
     # Count the leaders' recompute on their own traces until the leaders are all counted so.
@@ -298,8 +298,7 @@ def best_lines(result: Result, scans) -> list[str]:
                      f"{configs.STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
     lines += plan.host_pool_warning(best.host_bytes)
     return lines + ["run it: python train.py " + " ".join(
-        [result.experiment.name, f"device={result.hw.name}",
-         *search.overrides(best.candidate, scans)])]
+        [result.experiment.name, *search.overrides(best.candidate, scans)])]
 
 
 def run_overrides(prediction: search.Prediction, model) -> list[str]:

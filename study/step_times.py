@@ -16,7 +16,7 @@ import configs
 from runtime import setup as runtime_setup
 from study import predicted
 from study.compiled import compile_row
-from study.gpus import GPUS
+from study.gpus import gpu_of
 
 ROWS = [*configs.COMPARISONS["llama405b-compare"], "llama405b-searched",
         *configs.COMPARISONS["deepseek671b-compare"]]
@@ -41,7 +41,7 @@ def compiled_hlo(name: str, hlo_dir: Path | None) -> str:
     saved = None if hlo_dir is None else hlo_dir / f"{name}.hlo"
     if saved and saved.exists():
         return saved.read_text()
-    text = compile_row(runtime_setup.resolve(name, [], full=True)).hlo
+    text = compile_row(runtime_setup.resolve(name, [], full=True), gpu_of(name)).hlo
     if saved:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(text)
@@ -50,14 +50,14 @@ def compiled_hlo(name: str, hlo_dir: Path | None) -> str:
 
 def predict(name: str, text: str, efficiency=None, **changes) -> predicted.StepPrediction:
     experiment = configs.get(name)
-    gpu = dataclasses.replace(GPUS[experiment.run.device], **changes)
+    gpu = dataclasses.replace(gpu_of(name), **changes)
     return predicted.of_experiment(experiment, text, gpu, experiment.run.mesh.devices,
                                    efficiency=efficiency)
 
 
 def fit(cls: str, name: str, text: str) -> str:
     """Bisect the class's efficiency in (0, 1] until the row replays at the study's figure."""
-    gpu = GPUS[configs.get(name).run.device]
+    gpu = gpu_of(name)
     target = configs.STUDY_TFLOPS[name]
     at = lambda share: predict(name, text, {**gpu.efficiency, cls: share}).tflops  # noqa: E731
     peak = at(1.0)

@@ -14,13 +14,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
-from study import jaxpr, placement
+from study import jaxpr, offload_proof
 from configs import MESH_AXES, RunConfig
-from model import common, families, quant
-from runtime.placement import tagged_in
+from model import families, quant
+from model.params import ParamSpec, abstract_params, param_count
+from model.sharding import AxisRules
+from runtime.own_program import tagged_in
 from trainer import program
 from trainer.step import make_optimizer
-from trainer.target import ANY, forward_options
+from trainer.target import ANY
 
 
 def freeze(tables: dict | None):
@@ -47,34 +49,38 @@ class TracedStep:
         self.devices, self.fsdp, self.expert = math.prod(mesh_shape), *mesh_shape[1:]
         self.shards = self.fsdp * self.expert  # the devices a weight is sharded over
         mesh = AbstractMesh(mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-        self.rules = common.AxisRules(mesh=mesh)
+        self.rules = AxisRules(mesh=mesh)
         self.optimizer = make_optimizer(run.optimizer, run.steps)
         self.state = program.abstract_state(model, run, self.rules, self.optimizer)
         self.batch = program.abstract_batch(run, self.rules, self.devices)
         # One device's share of the work, unsharded: its activations are what it stores. Under
         # expert parallelism it holds only its own experts.
         self.specs = jax.tree.map(self._own_experts, self.family.param_specs(model))
-        self.local_params = common.abstract_params(self.specs, jnp.dtype(run.param_dtype))
+        self.local_params = abstract_params(self.specs, jnp.dtype(run.param_dtype))
         self.local_batch = jax.ShapeDtypeStruct(
             (run.batch(self.devices) // self.devices, run.seq + 1), jnp.int32)
         self.layers = {s: next(iter(self.specs[s].values())).shape[0] for s in self.scans}
         self.compute_bytes = jnp.dtype(run.compute_dtype).itemsize  # per element
         self._traced: dict = {}
 
-    def split_by_expert(self, spec: common.ParamSpec) -> bool:
+    def split_by_expert(self, spec: ParamSpec) -> bool:
         """Under expert parallelism, routed-expert weights: each device has its own share."""
         return self.expert > 1 and "experts" in spec.axes
 
-    def _own_experts(self, spec: common.ParamSpec) -> common.ParamSpec:
+    def _own_experts(self, spec: ParamSpec) -> ParamSpec:
         if not self.split_by_expert(spec):
             return spec
         shape = list(spec.shape)
         shape[spec.axes.index("experts")] //= self.expert
         return dataclasses.replace(spec, shape=tuple(shape))
 
-    def loss(self, tables: dict | None, rules: common.AxisRules | None = None):
+    def options(self, tables: dict | None, rules: AxisRules | None = None):
+        """The forward under `tables` as a GPU runs it (target "any"): sharded, or one device's."""
+        return program.forward_options(self.model, self.run, tables, rules, ANY)
+
+    def loss(self, tables: dict | None, rules: AxisRules | None = None):
         """The loss under `tables` of (params, batch): the sharded step's, or one device's alone."""
-        with_aux = program.make_loss(self.model, self.run, tables, rules, target=ANY)
+        with_aux = program.make_loss(self.model, self.run, self.options(tables, rules))
         return lambda params, batch: with_aux(params, batch)[0]
 
     @property
@@ -106,8 +112,9 @@ class TracedStep:
     @_traced_once
     def exported(self, tables: dict | None) -> set[tuple[str, str]]:
         """(scan, tag) the sharded step exported for a GPU offloads under `tables` (verified)."""
-        step = program.make_step(self.model, self.run, tables, self.rules, self.optimizer, ANY)
-        return placement.verify_offloads(step, self.state, self.batch)
+        step = jax.jit(program.make_step(self.model, self.run, self.options(tables, self.rules),
+                                         self.optimizer), donate_argnums=0)
+        return offload_proof.verify_offloads(step, self.state, self.batch)
 
     @_traced_once
     def work(self, tables: dict | None) -> jaxpr.Work:
@@ -123,12 +130,12 @@ class TracedStep:
 
     def widest_layer_weights(self) -> int:
         """Parameters of the widest layer (of any scan), as one device's share holds them."""
-        return max(common.param_count(self.specs[s]) // self.layers[s] for s in self.scans)
+        return max(param_count(self.specs[s]) // self.layers[s] for s in self.scans)
 
     def exchange_buffers(self) -> int:
         """Expert parallelism's blocks in one MoE layer: sent, received, their outputs and the
         outputs returned, each [devices x block rows, D] in the compute dtype."""
-        parallel = forward_options(self.model, self.run, ANY).get("expert_parallel")
+        parallel = self.options(None).expert_parallel
         if parallel is None:
             return 0
         tokens = self.local_batch.shape[0] * self.run.seq
@@ -141,7 +148,7 @@ class TracedStep:
         compute dtype, bytes stored as NVFP4: E2M1 codes at 4 bits, E4M3 scales, FP32 scale)."""
         specs = self.family.param_specs(self.model)
         shapes = [spec.shape for scan in self.scans for name, spec in specs[scan].items()
-                  if common.quantizable(name, len(spec.shape) - 1, self.family.UNQUANTIZED)]
+                  if quant.quantizable(name, len(spec.shape) - 1, self.family.UNQUANTIZED)]
         plain = sum(math.prod(shape) for shape in shapes) * self.compute_bytes
         stored = sum(shape[0] * quant.nvfp4_bytes((math.prod(shape[1:]),), 0) for shape in shapes)
         return plain // self.shards, stored // self.shards

@@ -51,7 +51,9 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.environ["OFFLOAD_TRAINER_TEST_CACHE"], ignore_errors=True)
 
 
-from model import common, families  # noqa: E402
+from model import families  # noqa: E402
+from model.params import init_params  # noqa: E402
+from model.sharding import AxisRules, make_mesh  # noqa: E402
 from model.config import DeepSeekConfig, LlamaConfig, YarnScaling  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -80,8 +82,8 @@ SHARDED_DEEPSEEK = DeepSeekConfig(
 def one_device_params(cfg, seed: int = 0) -> dict:
     """Random parameters of `cfg` on one device, norm weights away from 1 (a test notices them
     ignored) and, for DeepSeek, router biases big enough to change expert choices."""
-    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(families.of(cfg).param_specs(cfg), common.AxisRules(mesh=mesh),
+    mesh = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    params = init_params(families.of(cfg).param_specs(cfg), AxisRules(mesh=mesh),
                                 jax.random.key(seed))
     params = jax.tree_util.tree_map_with_path(
         lambda path, p: p + 0.3 * jax.numpy.sin(jax.numpy.arange(p.size).reshape(p.shape))
@@ -119,3 +121,13 @@ def run_cli(args, tmp_path, capsys):
     code = train.main([*args, f"out_dir={tmp_path}"])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def start_state(setup, target=None):
+    """(state, steps done) as a run of `setup` on `target` (this machine) starts: fresh, or
+    its `resume` checkpoint resharded onto the run's mesh (runtime/setup.py start_state)."""
+    from runtime import setup as runtime_setup
+    from trainer.program import Program
+    from trainer.target import this_machine
+    program = Program(setup.model, setup.run, setup.placement, target or this_machine())
+    return runtime_setup.start_state(program, setup)

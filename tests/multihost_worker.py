@@ -29,13 +29,15 @@ from runtime import checkpoints  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
 
-from model import common  # noqa: E402
-from model.config import DeepSeekConfig  # noqa: E402
 from hf.load import open_checkpoint  # noqa: E402
 from model import families  # noqa: E402
+from model.options import ForwardOptions  # noqa: E402
+from model.params import param_shardings  # noqa: E402
+from model.sharding import AxisRules  # noqa: E402
 from runtime import setup as runtime_setup  # noqa: E402
 from trainer import program  # noqa: E402
 from trainer import target as trainer_target  # noqa: E402
+from trainer.program import Program  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py, which the
 jax.config.update("jax_default_matmul_precision", "highest")  # reference runs under
@@ -54,7 +56,7 @@ IMPORTS = {"llama_gqa": 1, "deepseek_yarn": 4}  # fixture -> the mesh's expert a
 
 def shardings(cfg, mesh):
     """The parameters' shardings as a run makes them (FSDP, experts split or not)."""
-    return common.param_shardings(families.of(cfg).param_specs(cfg), common.AxisRules(mesh=mesh))
+    return param_shardings(families.of(cfg).param_specs(cfg), AxisRules(mesh=mesh))
 
 
 def sharded_import(fixture: str, mesh) -> dict:
@@ -85,9 +87,8 @@ def tokens(fixture: str) -> np.ndarray:
 def logits_fn(cfg, mesh):
     """The model's logits, jitted, replicated on `mesh` (every expert on every token for
     DeepSeek: plain XLA, partitioned as the parameters are)."""
-    options = {"expert_path": "dense"} if isinstance(cfg, DeepSeekConfig) else {}
     forward = families.of(cfg).forward
-    return jax.jit(lambda p, t: forward(p, t, cfg, dtype=jnp.float32, **options)[0],
+    return jax.jit(lambda p, t: forward(p, t, cfg, ForwardOptions(experts="dense"))[0],
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
@@ -98,13 +99,14 @@ def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
     setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
     setup.resume = checkpoints.find(str(checkpoint), "", "")
     target = trainer_target.this_machine()
-    state, _ = runtime_setup.start_state(setup, target, runtime_setup.layout(setup, target))
+    program = Program(setup.model, setup.run, setup.placement, target)
+    state, _ = runtime_setup.start_state(program, setup)
     return flat(multihost_utils.process_allgather(state["params"], tiled=True))
 
 
 def make_mesh(expert: int):
     """A run's data x fsdp x expert mesh over every process's devices."""
-    return program.make_mesh(configs.RunConfig(mesh=configs.MeshConfig(expert=expert)),
+    return program.mesh_of(configs.RunConfig(mesh=configs.MeshConfig(expert=expert)),
                              jax.devices())
 
 

@@ -5,19 +5,21 @@ compiled for a GPU, refuted on the optimized HLO jax 0.10.2 compiled for the sam
 able to fail on hand-written programs whose addresses are computed by hand."""
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import configs
 from study import plan
 from configs import ConfigError
 from study.compile_only import compile_only
 from study.gpus import GPUS
-from study import addressing, memory, placement
+from study import addressing, memory, offload_proof
 from study.jaxpr import Tagged
 from tools import offload_probe
-from runtime import placement as runtime_placement, setup as runtime_setup
+from runtime import setup as runtime_setup
 from trainer.target import Target
 
 FIXTURES = offload_probe.FIXTURES
@@ -280,10 +282,10 @@ def test_what_it_cannot_follow_is_never_a_pass():
 
 def test_host_buffers_map_to_their_tags_and_a_stray_one_is_an_error():
     value = Tagged("query_proj", (8,), jnp.dtype(jnp.float32), 4, "layers")
-    found = placement.compiled_host_buffers(hand_written(), [value])
+    found = offload_proof.compiled_host_buffers(hand_written(), [value])
     assert list(found) == [("layers", "query_proj")] and found["layers", "query_proj"].holds
-    with pytest.raises(placement.PlacementError, match="no offloaded tag"):
-        placement.compiled_host_buffers(hand_written(), [])
+    with pytest.raises(offload_proof.PlacementError, match="no offloaded tag"):
+        offload_proof.compiled_host_buffers(hand_written(), [])
 
 
 def test_the_study_reports_a_step_that_reads_the_wrong_bytes():
@@ -305,33 +307,30 @@ def test_the_study_reports_a_step_that_reads_the_wrong_bytes():
 def _reads_walking_forward(policy, weights, x):
     """The probe's gradient as a jax that reads each offloaded layer's activation back from
     another layer would give it: the layers' gradients in the wrong order."""
-    got = runtime_placement._probe_gradient(None, weights, x)
+    got = runtime_setup._probe_gradient(None, weights, x)
     return got if policy is None else got[::-1]
 
 
 def test_a_gpu_run_refuses_a_jax_that_reads_the_wrong_bytes(monkeypatch):
-    """What train.py does between compiling and step 1 on GPUs when the run offloads
-    (runtime/setup.py's check_host_reads): runtime/placement.py's probe compares a scan's
-    gradient with one offloaded tag against the gradient kept on the device, and a jax that
-    fails it stops the run in one line naming the XLA issue and the first fixed jax. The
-    probe passes here (a CPU keeps the offloaded value where it is) and fails on gradients
-    read back in the wrong layer order. Where nothing is offloaded, on compile-only GPUs (no
-    step runs there) and on a CPU, no probe runs."""
-    assert runtime_placement.host_reads_in_order()
-    assert not runtime_placement.host_reads_in_order(_reads_walking_forward)
-    value = Tagged("query_proj", (256, 512), jnp.dtype(jnp.float32), 4, "layers")
+    """What train.py does before step 1 on GPUs when the run offloads (runtime/setup.py's
+    check_machine): its probe compares a scan's gradient with one offloaded tag against the
+    gradient kept on the device, and a jax that fails it stops the run in one line naming the
+    XLA issue and the first fixed jax. The probe passes here (a CPU keeps the offloaded value
+    where it is) and fails on gradients read back in the wrong layer order. Where nothing is
+    offloaded and on a CPU, no probe runs (compile-only GPUs never run check_machine: no
+    step runs there)."""
+    assert runtime_setup.host_reads_in_order()
+    assert not runtime_setup.host_reads_in_order(_reads_walking_forward)
     gpu = Target("gpu", (9, 0), ("an H200",))
-    offloaded = {"query_proj": [value]}
 
-    def built(target, offloaded):
-        return runtime_setup.Built(target, None, None, None, 0.0, offloaded)
+    def program(target):
+        return types.SimpleNamespace(target=target, run=configs.RunConfig())
 
-    monkeypatch.setattr(runtime_placement, "host_reads_in_order", lambda: False)
+    monkeypatch.setattr(runtime_setup, "host_reads_in_order", lambda: False)
     with pytest.raises(ConfigError, match="wrong layers") as refused:
-        runtime_setup.check_host_reads(built(gpu, offloaded))
+        runtime_setup.check_machine(program(gpu), offloads=True)
     assert "openxla/xla #46231" in str(refused.value) and "jax 0.11.1" in str(refused.value)
-    monkeypatch.setattr(runtime_placement, "host_reads_in_order",
+    monkeypatch.setattr(runtime_setup, "host_reads_in_order",
                         lambda: pytest.fail("the probe ran"))
-    for target, moved in [(gpu, {}), (Target("gpu", (9, 0), ("an H200",), True), offloaded),
-                          (Target("cpu", None, ("a CPU",)), offloaded)]:
-        runtime_setup.check_host_reads(built(target, moved))
+    for target, offloads in [(gpu, False), (Target("cpu", None, ("a CPU",)), True)]:
+        runtime_setup.check_machine(program(target), offloads)

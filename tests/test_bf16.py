@@ -17,7 +17,8 @@ import pytest
 
 from conftest import FIXTURES
 from hf.load import load_checkpoint
-from model import common, deepseek, families, llama
+from model import deepseek, families, layers, llama
+from model.options import ForwardOptions
 
 U = 2.0**-8
 FIXTURE_NAMES = ["llama_gqa", "llama_sharded", "deepseek_yarn", "deepseek_halfrot"]
@@ -30,9 +31,8 @@ def bf16_forward(fixture, expert_path=None):
     """The project's bf16 logits for the fixture's tokens and HF's expected.npz."""
     cfg, params = load_checkpoint(FIXTURES / fixture)
     expected = np.load(FIXTURES / fixture / "expected.npz")
-    options = {"expert_path": expert_path} if expert_path else {}
-    logits, _ = families.of(cfg).forward(params, expected["tokens"], cfg, dtype=jnp.bfloat16,
-                                         **options)
+    logits, _ = families.of(cfg).forward(params, expected["tokens"], cfg,
+                                         ForwardOptions("bfloat16", experts=expert_path))
     return np.asarray(logits), expected
 
 
@@ -61,7 +61,7 @@ def test_bf16_logits_are_within_bf16s_error_of_hugging_faces(fixture, expert_pat
 
 
 def bf16_statistics_rms_norm(x, weight, eps):
-    """common.rms_norm with its statistics in bf16: x^2, their mean, + eps and rsqrt each
+    """layers.rms_norm with its statistics in bf16: x^2, their mean, + eps and rsqrt each
     rounded to bf16 (the mean accumulated in float32, as jnp.mean does for bf16). Rounded
     explicitly: as bf16 ops, XLA's CPU backend computes them in float32 and, allowed excess
     precision, drops some of the roundings in between."""
@@ -78,12 +78,12 @@ def test_float32_norm_statistics_are_what_brings_bf16_logits_to_hugging_faces(fi
     """HF computes RMSNorm statistics in float32 inside a bf16 model; so does the project,
     and its bf16 logits are at least 10% closer to HF's than those of the same forward with
     the statistics in bf16 (19-41% measured). 10% is beyond what rounding in other places as
-    finely moves the distance: model/common.py's norm with its statistics in bf16, which XLA
+    finely moves the distance: model/layers.py's norm with its statistics in bf16, which XLA
     rounds in fewer places than this variant, lands within 4% of the variant's distance.
     Against HF's float32 logits the statistics' roundings are lost among bf16's others at
     these widths (0.88-0.98 of the variant's error): nothing to assert there."""
     logits, expected = bf16_forward(fixture)
-    for module in (common, llama, deepseek):  # each looks rms_norm up in its own namespace
+    for module in (layers, llama, deepseek):  # each looks rms_norm up in its own namespace
         monkeypatch.setattr(module, "rms_norm", bf16_statistics_rms_norm)
     bf16_statistics, _ = bf16_forward(fixture)
     scale = np.abs(expected["logits"]).max()

@@ -1,6 +1,7 @@
 """Training checkpoints (Orbax): exact resumes, resharding, kill -9 and SIGTERM, export of a
 trained state, bad input."""
 
+from conftest import start_state
 import dataclasses
 import json
 import os
@@ -17,7 +18,8 @@ import numpy as np
 
 import train
 from hf.load import load_checkpoint
-from model import common, families
+from model import families
+from model.params import abstract_params
 from runtime import checkpoints
 from runtime import setup as runtime_setup
 from trainer import target as trainer_target
@@ -85,7 +87,7 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
     setup = runtime_setup.resolve("llama405b-offload", SMALL, jax.devices())
     specs = families.of(setup.model).param_specs(setup.model)
-    like = common.abstract_params(specs)
+    like = abstract_params(specs)
     final = saved_params(whole / "checkpoints" / "4", like)
     assert_bit_identical(final, saved_params(resumed / "checkpoints" / "4", like))
 
@@ -94,8 +96,7 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     for devices, mesh in ((4, ["mesh.fsdp=4"]), (8, ["mesh.data=2", "mesh.fsdp=4"])):
         target = dataclasses.replace(trainer_target.this_machine(), devices=jax.devices()[:devices])
         setup = runtime_setup.resolve("llama405b-offload", [*SMALL, *mesh], target.devices)
-        state, step = runtime_setup.start_state(dataclasses.replace(setup, resume=source), target,
-                                                runtime_setup.layout(setup, target))
+        state, step = start_state(dataclasses.replace(setup, resume=source), target)
         assert step == 4 and int(state["step"]) == 4
         assert state["params"]["embed"].sharding.mesh.devices.size == devices
         assert_bit_identical(jax.tree.map(np.asarray, state["params"]), final)
@@ -119,7 +120,7 @@ def test_deepseek_resume_with_router_bias_updates_is_bit_identical(tmp_path, cap
     assert all(0 <= r["expert_dropped"] < 1 for r in records)
     assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
     setup = runtime_setup.resolve("deepseek671b-offload", SMALL, jax.devices())
-    like = common.abstract_params(families.of(setup.model).param_specs(setup.model))
+    like = abstract_params(families.of(setup.model).param_specs(setup.model))
     final = saved_params(whole / "checkpoints" / "4", like)
     assert_bit_identical(final, saved_params(resumed / "checkpoints" / "4", like))
     start = saved_params(whole / "checkpoints" / "2", like)

@@ -1,17 +1,17 @@
 """A token file's batches are a function of (seed, step), not of the draws before: a resumed
 run, and every process of a multi-process run, reads the windows an uninterrupted run reads
-at each step (data/tokens.py, runtime/setup.global_batch). A source that draws from one
+at each step (data/tokens.py, trainer/program.global_batch). A source that draws from one
 generator seeded once (a stream) gives the same data only to runs that drew alike before."""
 
 import json
-import types
 
 import numpy as np
 import pytest
 
-from model import common
-from runtime import setup as runtime_setup
+
 from data.tokens import token_source
+from model.sharding import AxisRules, make_mesh
+from trainer.program import global_batch
 
 VOCAB = 512
 SEQ = 8
@@ -56,8 +56,7 @@ def test_the_batch_at_a_step_does_not_depend_on_the_draws_before(token_file):
 def process_rows(data, step: int, sharding, devices) -> dict[int, np.ndarray]:
     """What one process reads at `step`: the rows of global_batch its `devices` hold (each
     process of a run builds the global batch from its own source; JAX keeps its rows)."""
-    setup = types.SimpleNamespace(data=data, run=types.SimpleNamespace(seq=SEQ))
-    array = runtime_setup.global_batch(setup, step, sharding, BATCH)
+    array = global_batch(data.batch(step, BATCH, SEQ), sharding)
     rows = {}
     for shard in array.addressable_shards:
         if shard.device in devices:
@@ -71,8 +70,8 @@ def test_each_process_reads_its_rows_of_the_same_global_batch(token_file, mesh_s
     """Two processes of 4 devices each (as tests/test_multihost.py launches them): process 0
     has run since step 0, process 1 restarted at step 3 (a fresh source). At steps 3 and 4
     their rows together are one global batch, the one of a source that drew nothing else."""
-    mesh = common.make_mesh(mesh_shape, ("data", "fsdp"))
-    sharding = common.AxisRules(mesh=mesh).sharding(("batch", None))
+    mesh = make_mesh(mesh_shape, ("data", "fsdp"))
+    sharding = AxisRules(mesh=mesh).sharding(("batch", None))
     devices = list(mesh.devices.flat)
     processes = [(source(token_file), set(devices[:4])), (source(token_file), set(devices[4:]))]
     for step in range(3):

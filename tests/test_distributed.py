@@ -14,6 +14,7 @@ import jax
 import pytest
 
 import train
+from study.gpus import gpu_of
 from study import plan
 from cluster import PortTaken, launch
 from configs import ConfigError
@@ -171,7 +172,8 @@ def test_slurm_scripts_reach_the_detection(script, gpus, tmp_path, environment):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     setup = runtime_setup.resolve(args[0], args[1:], full=True)
-    per_gpu = round(plan.full_scale(setup.experiment, setup.placement).host_activations / 2**30, 1)
+    planned = plan.full_scale(setup.experiment, gpu_of(args[0]), setup.placement)
+    per_gpu = round(planned.host_activations / 2**30, 1)
     pool = max(64, math.ceil(per_gpu * (gpus // (nodes * tasks)) * 1.1))
     task = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines()
                 if "=" in line)

@@ -104,8 +104,7 @@ def test_the_eval_loss_is_the_cross_entropy_of_the_models_logits_on_fixed_window
               for w in windows]
     assert starts[0] == 0 and starts[-1] == len(val) - SEQ - 1
     assert np.ptp(np.diff(starts)) <= 1  # evenly spread (the spacing rounded)
-    logits, _ = llama.forward(model.params, jnp.asarray(windows[:, :-1]), model.cfg,
-                              dtype=jnp.float32)
+    logits, _ = llama.forward(model.params, jnp.asarray(windows[:, :-1]), model.cfg)
     logits = np.asarray(logits, np.float64)
     top = logits.max(-1, keepdims=True)
     log_z = top[..., 0] + np.log(np.exp(logits - top).sum(-1))
@@ -156,8 +155,7 @@ def test_greedy_sampling_follows_the_models_own_logits(trained):
     model = sample.Model(str(trained))
     prompt = [model.end_of_text, *model.tokenizer.encode("ba", add_special_tokens=False).ids]
     greedy = sample.generate(model, "ba", 12, temperature=0, top_k=0, seed=0)
-    logits, _ = llama.forward(model.params, jnp.asarray([prompt + greedy]), model.cfg,
-                              dtype=jnp.float32)
+    logits, _ = llama.forward(model.params, jnp.asarray([prompt + greedy]), model.cfg)
     best = np.argmax(np.asarray(logits[0])[:, :320], axis=-1)
     assert greedy == best[len(prompt) - 1:-1].tolist()
     drawn = [sample.generate(model, "ba", 16, temperature=1.5, top_k=0, seed=s)

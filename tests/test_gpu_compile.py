@@ -19,19 +19,20 @@ import configs
 from study import addressing, hlo, predicted, replay
 from study.hlo import parse_module
 from study.traced_step import TracedStep
-from study.compile_only import DEVICELESS, compile_only, kernel_checks, pool_bytes
+from study.compile_only import DEVICELESS, CompileOnly, compile_only, kernel_checks, pool_bytes
 from study.compiled import CompiledRow, compile_row
-from study.gpus import GPUS
+from study.gpus import GPUS, gpu_of
 from configs import PIPELINED
-from model import common
+
 from model.config import DeepSeekConfig
+from model.layers import causal_attention
 from offload import optimizer_state
-from runtime import backend, placement, report
+from runtime import backend, own_program, report
 from runtime import setup as runtime_setup
 from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
 from test_invariances import NEVER_NEEDED
 from study.__main__ import main as study_main
-from trainer import program, target as trainer_target
+from trainer import target as trainer_target
 
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,11 +89,11 @@ def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> Com
     """What `python train.py NAME ...` does on the experiment's own GPUs (or `device`s) up to
     its first step: resolve against the devices there, then build; with the full-scale plan
     and this run's placement list read off the compiled program (study/compiled.py)."""
-    run = configs.get(name).run
-    target = gpus(device or run.device, run.mesh.devices)
+    run, gpu = configs.get(name).run, gpu_of(name, device)
+    target = gpus(gpu.name, run.mesh.devices)
     setup = runtime_setup.resolve(name, overrides, target.devices)
     assert setup.scale == "full"
-    return compile_row(setup, target)
+    return compile_row(setup, gpu, target)
 
 
 def custom_call_operands(hlo: str, target: str) -> list[list[tuple[int, ...]]]:
@@ -206,7 +207,7 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         assert {(q[-1], k[-1], v[-1]) for q, k, v in attention} == {
             (qk, qk, experiment.model.v_head_dim)}
     if family == "deepseek":  # each expert exchange over one expert group, in one NVLink domain
-        found = predicted.exchange_groups(module, GPUS[experiment.run.device],
+        found = predicted.exchange_groups(module, gpu_of(name),
                                           [d.id for d in row.mesh.devices.flat])["expert"]
         assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
         assert not found["crossing"]
@@ -216,7 +217,7 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         assert set(outside_loops(hlo).values()) == {1}
     elif IN_HOST_MEMORY[name]:  # without the flag every host write is in the forward loop
         assert {n for (_, write), n in outside_loops(hlo).items() if write} == {0}
-    fp4 = experiment.run.quant == "nvfp4" and GPUS[experiment.run.device].capability[0] == 10
+    fp4 = experiment.run.quant == "nvfp4" and gpu_of(name).capability[0] == 10
     assert ('"__cudnn$blockScaledDot"' in hlo) == fp4
     if fp4:
         cfg = experiment.model  # each layer matrix as its GEMMs see it, [K, N]
@@ -230,14 +231,13 @@ def assert_the_moments_are_written_to_host(row: CompiledRow) -> None:
     """With the optimizer state on host, the step's outputs in host memory are exactly the
     moments (its arguments arrive on the device there: no memory kinds), and the figures the
     report gives move the moments off the device (tests/test_host_state.py: the training)."""
-    built, setup = row.built, row.setup
-    stats = built.compiled.memory_analysis()
-    state = program.abstract_state(setup.model, setup.run, built.rules, built.optimizer)
+    stats = row.compiled.memory_analysis()
+    state = row.program.state_shapes
     moments = optimizer_state.per_device_bytes(
         [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
-    assert built.arrived == moments == optimizer_state.moment_bytes(state["opt_state"])
+    assert row.arrived == moments == optimizer_state.moment_bytes(state["opt_state"])
     assert stats.host_output_size_in_bytes == moments
-    assert built.compiled_memory().arguments == stats.argument_size_in_bytes - moments
+    assert row.compiled_memory().arguments == stats.argument_size_in_bytes - moments
 
 
 def assert_every_gemm_of_a_layer_is_fp4(module, matrices: dict, layers: int):
@@ -283,18 +283,18 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     the header say so."""
     overrides = ["model.n_layers=1", f"out_dir={tmp_path}"]
     row = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
-    built = row.built
+    built = row.program
     assert row.full_plan.host_activations == 32 * 192 * 2**20  # the 32-layer model's Q/K/V
     asked = {line.value.tag for line in row.run_tags if line.offloaded}
     assert asked == {tag for _, tag in LLAMA_QKV}
     assert not any(line.in_host_memory for line in row.run_tags)
-    assert placement.CompiledMemory.of(built.compiled).host == 0
-    assert {tag for tag in built.offloaded} == asked  # the traced step's own offloads
-    setup = runtime_setup.resolve("llama8b-offload", overrides, built.target.devices)
+    assert own_program.CompiledMemory.of(row.compiled).host == 0
+    # the traced step's own offloads
+    assert {tag for tag in own_program.offloaded(built.traced.jaxpr)} == asked
+    setup = row.setup
     # A real H200's pool (XLA's allocator limit) is what study/compile_only.py plans against.
-    monkeypatch.setattr(trainer_target.Target, "pool_bytes",
-                        lambda self: pool_bytes(GPUS["h200"]))
-    report.print_header(setup, built, 16, 1e12, report.RunDir(tmp_path, tmp_path / "ckpt"), 1)
+    monkeypatch.setattr(CompileOnly, "pool_bytes", lambda self: pool_bytes(GPUS["h200"]))
+    report.print_header(setup, built, report.RunDir(tmp_path, tmp_path / "ckpt"), 1e12, 1)
     out = capsys.readouterr().out
     assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out
@@ -309,12 +309,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     # study/compile_only.py's DEVICELESS (XLA's autotuning off where no device times kernels):
     # the same instructions in the same order, memory and host buffers as XLA's default
     # compile of the same step; only kernel configs differ.
-    rules, optimizer = runtime_setup.layout(setup, built.target)
     with kernel_checks(built.target):
-        lowered = program.make_step(setup.model, setup.run, setup.placement, rules, optimizer,
-                                    built.target).lower(
-            program.abstract_state(setup.model, setup.run, rules, optimizer),
-            program.abstract_batch(setup.run, rules, len(built.target.devices)))
+        lowered = built.traced.lower()
     options = trainer_target.compiler_options(setup.run, built.target)
     default = lowered.compile({**options, **DEVICELESS,
                                "xla_gpu_autotune_level": 4})  # XLA's own default
@@ -324,8 +320,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
         return {c.name: [(i.name, i.opcode, i.shape, i.operands) for i in c.instructions]
                 for c in module.computations.values()}
 
-    assert instructions(built.compiled) == instructions(default)
-    assert placement.CompiledMemory.of(built.compiled) == placement.CompiledMemory.of(default)
+    assert instructions(row.compiled) == instructions(default)
+    assert own_program.CompiledMemory.of(row.compiled) == own_program.CompiledMemory.of(default)
 
 
 def test_sorted_experts_compile_for_a_gpu():
@@ -337,7 +333,7 @@ def test_sorted_experts_compile_for_a_gpu():
     setup = runtime_setup.resolve("deepseek671b-offload", ["scale=proxy", "compute_dtype=bfloat16"],
                           target.devices)
     assert setup.run.mesh.expert == 1
-    built = compile_row(setup, target)
+    built = compile_row(setup, GPUS["h200"], target)
     hlo = built.hlo
     assert "ragged_dot" in hlo and custom_call_operands(hlo, "__cudnn$fmhaSoftmax")
     assert {(line.value.scan, line.value.tag) for line in built.run_tags
@@ -349,10 +345,10 @@ def test_cudnn_takes_mla_attention_unpadded():
     q = jax.ShapeDtypeStruct((1, 256, 4, 192), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
     with kernel_checks(gpus("h200", 8)):
-        jaxpr = jax.make_jaxpr(lambda q, k, v: common.causal_attention(
+        jaxpr = jax.make_jaxpr(lambda q, k, v: causal_attention(
             q, k, v, implementation="cudnn"))(q, q, v)
     assert jaxpr.out_avals[0].shape == (1, 256, 4, 128)
-    assert "pad" not in {eqn.primitive.name for eqn, *_ in placement.walk(jaxpr.jaxpr)}
+    assert "pad" not in {eqn.primitive.name for eqn, *_ in own_program.walk(jaxpr.jaxpr)}
 
 
 def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():

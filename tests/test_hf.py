@@ -15,7 +15,9 @@ from conftest import FIXTURES
 from hf.load import load_checkpoint, open_checkpoint
 from hf.safetensors import Reader, dequantize_fp8
 from hf.save import write_checkpoint
-from model import common, families
+from model import families
+from model.params import param_shardings
+from model.sharding import AxisRules, make_mesh
 
 HF_FIXTURES = sorted(p.parent for p in FIXTURES.glob("*/config.json"))
 
@@ -23,9 +25,9 @@ HF_FIXTURES = sorted(p.parent for p in FIXTURES.glob("*/config.json"))
 def whole_and_sharded(directory, rules_of_mesh):
     """(every parameter read whole, the same parameters read as the shards of `rules`)."""
     cfg, checkpoint = open_checkpoint(directory)
-    mesh = common.make_mesh((2, 4), ("data", "fsdp"))
+    mesh = make_mesh((2, 4), ("data", "fsdp"))
     specs = families.of(cfg).param_specs(cfg)
-    shardings = common.param_shardings(specs, rules_of_mesh(mesh))
+    shardings = param_shardings(specs, rules_of_mesh(mesh))
     sharded = checkpoint.arrays(shardings, np.float32)
     return checkpoint.read(), jax.tree.map(np.asarray, sharded)
 
@@ -33,11 +35,11 @@ def whole_and_sharded(directory, rules_of_mesh):
 # Every head, MLP, latent and expert axis split somewhere: reads that cut through the heads HF
 # keeps in one axis (head_dim), through fused gate/up rows (mlp), and across layers' files.
 RULES = {
-    "embed and head_dim": lambda mesh: common.AxisRules(embed="data", head_dim="fsdp",
+    "embed and head_dim": lambda mesh: AxisRules(embed="data", head_dim="fsdp",
                                                          mlp="fsdp", experts=None,
                                                          expert_embed="data", lora=None,
                                                          mesh=mesh),
-    "heads and experts": lambda mesh: common.AxisRules(embed=None, heads="data", kv_heads="data",
+    "heads and experts": lambda mesh: AxisRules(embed=None, heads="data", kv_heads="data",
                                                         lora="fsdp", experts="data",
                                                         expert_embed="fsdp", mesh=mesh),
 }
@@ -111,7 +113,7 @@ def test_fused_experts_read_as_the_unfused_ones(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     shutil.copy(f"{source}/config.json", tmp_path / "config.json")
     unfused, _ = whole_and_sharded(source, RULES["embed and head_dim"])
-    experts_split = lambda mesh: common.AxisRules(  # noqa: E731  (its 3 heads cannot split)
+    experts_split = lambda mesh: AxisRules(  # noqa: E731  (its 3 heads cannot split)
         embed="data", experts="data", expert_embed=None, mlp="fsdp", mesh=mesh)
     for rules in (RULES["embed and head_dim"], experts_split):
         whole, sharded = whole_and_sharded(tmp_path, rules)

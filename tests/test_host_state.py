@@ -2,15 +2,18 @@
 the device, across a checkpoint; the plan and the search that move its bytes to host (the
 compiled GPU program: tests/test_gpu_compile.py, its every-row test); bad input."""
 
+from conftest import start_state
 import dataclasses
 
 import jax
 import pytest
 
 import configs
+from study.gpus import gpu_of
 from study import plan, search
 from study.search_report import placement_text
-from model import common, families
+from model import families
+from model.params import abstract_params, param_count
 from runtime import setup as runtime_setup
 from test_checkpoints import SMALL, assert_bit_identical, cli, losses, saved_params
 from trainer import target as trainer_target
@@ -39,15 +42,15 @@ def test_the_state_on_host_trains_to_the_bit_as_on_the_device_across_a_resume(
     assert losses(resumed) == {k: v for k, v in losses(on_device).items() if k > 2}
     setup = runtime_setup.resolve(name, [*SMALL, *ROWS[name], "optimizer_state=host"],
                                   jax.devices())
-    like = common.abstract_params(families.of(setup.model).param_specs(setup.model))
+    like = abstract_params(families.of(setup.model).param_specs(setup.model))
     final = saved_params(on_device / "checkpoints" / "4", like)
     for run in (on_host, resumed):
         assert_bit_identical(saved_params(run / "checkpoints" / "4", like), final)
 
     target = trainer_target.this_machine()
-    state, step = runtime_setup.start_state(
+    state, step = start_state(
         dataclasses.replace(setup, resume=runtime_setup.checkpoints.find(str(resumed), "", "")),
-        target, runtime_setup.layout(setup, target))
+        target)
     kinds = {(x.ndim > 0, x.sharding.memory_kind) for x in jax.tree.leaves(state["opt_state"])}
     assert step == 4 and kinds == {(True, "pinned_host"), (False, "device")}
 
@@ -58,11 +61,12 @@ def test_70b_on_one_h200_host_fits_only_with_the_state_on_host():
     twice."""
     experiment = configs.get("llama70b-8xh200")
     tables = runtime_setup.resolve_placement(experiment.model, experiment.run)
-    on_host = plan.full_scale(experiment, tables)
+    on_host = plan.full_scale(experiment, gpu_of(experiment.name), tables)
     device_run = dataclasses.replace(experiment.run, optimizer_state="device")
-    on_device = plan.full_scale(dataclasses.replace(experiment, run=device_run), tables)
+    on_device = plan.full_scale(dataclasses.replace(experiment, run=device_run),
+                                gpu_of(experiment.name), tables)
     specs = families.of(experiment.model).param_specs(experiment.model)
-    moments = 2 * 4 * common.param_count(specs) / 8
+    moments = 2 * 4 * param_count(specs) / 8
     assert on_host.optimizer == on_device.optimizer == pytest.approx(moments, abs=64)
     assert on_device.peak_estimate - on_host.peak_estimate == on_device.optimizer
     assert on_host.host_peak == on_host.optimizer + max(on_host.host_activations,

@@ -11,14 +11,17 @@ import pytest
 from jax import export
 
 import configs
-from study import memory, placement
+from study import memory, offload_proof
 from study.jaxpr import tagged_values
 from study.traced_step import TracedStep, freeze
 from conftest import (TINY_DEEPSEEK, TINY_LLAMA, assert_trees_close, one_device_params,
                       tokens)
-from model import common, deepseek, families, llama
+from model import deepseek, families, llama
+from model.options import ForwardOptions
+from model.layers import rms_norm, rope_frequencies, rope_tables
+from model.params import abstract_params
 from offload import activations
-from trainer.program import make_loss
+from trainer.program import forward_options, make_loss
 from trainer.target import Target
 
 FAMILIES = {"llama": (llama, TINY_LLAMA), "deepseek": (deepseek, TINY_DEEPSEEK)}
@@ -30,11 +33,12 @@ def test_the_traced_tags_are_the_family_tag_lists(name):
     """Each scan's sites are its family's list, each tag once per layer (a site's run count is
     its scan's layer count), for every expert path."""
     family, cfg = FAMILIES[name]
-    abstract = common.abstract_params(family.param_specs(cfg))
+    abstract = abstract_params(family.param_specs(cfg))
     toks = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    paths = [{"expert_path": p} for p in deepseek.EXPERT_PATHS] if family is deepseek else [{}]
-    for options in paths:
-        found = tagged_values(lambda p, t: family.forward(p, t, cfg, **options), abstract, toks)
+    paths = list(deepseek.EXPERT_PATHS) if family is deepseek else [None]
+    for path in paths:
+        options = ForwardOptions(experts=path)
+        found = tagged_values(lambda p, t: family.forward(p, t, cfg, options), abstract, toks)
         sites = [s for sites in found.values() for s in sites]
         for scan, tags in family.SCANS.items():
             layers = family.param_specs(cfg)[scan]["attn_norm"].shape[0]
@@ -50,7 +54,7 @@ def every_table(family) -> dict[str, dict]:
     scans = family.SCANS
     names = (["remat", "dsv3_offload", "dsv3_device"] if family is deepseek
              else activations.presets_for(scans))
-    tables = {n: activations.placement(n, {}, scans) for n in names}
+    tables = {n: activations.resolve(n, {}, scans) for n in names}
     tables["all_offload"] = {s: {t: "offload" for t in tags} for s, tags in scans.items()}
     if family is llama:
         tables["all_device"] = {s: {t: "device" for t in tags} for s, tags in scans.items()}
@@ -65,8 +69,8 @@ CASES = [(name, table) for name in FAMILIES for table in every_table(FAMILIES[na
 @partial(jax.jit, static_argnums=(0, 3, 4))
 def loss_and_grads(cfg, params, batch, frozen, expert_path):
     tables = None if frozen is None else {s: dict(t) for s, t in frozen}
-    loss = make_loss(cfg, dataclasses.replace(RUN, expert_path=expert_path), tables,
-                     rules=None, target=Target("cpu"))
+    run = dataclasses.replace(RUN, expert_path=expert_path)
+    loss = make_loss(cfg, run, forward_options(cfg, run, tables, None, Target("cpu")))
     return jax.value_and_grad(lambda p: loss(p, batch)[0])(params)
 
 
@@ -87,13 +91,13 @@ def test_the_scan_is_the_unrolled_loop():
     to float32 reordering (a jitted scan and an eager loop fuse differently)."""
     cfg = TINY_LLAMA
     params, toks = one_device_params(cfg), tokens(cfg)
-    cos, sin = common.rope_tables(toks.shape[1], common.rope_frequencies(
+    cos, sin = rope_tables(toks.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), jnp.float32)
     x = params["embed"][toks]
     for i in range(cfg.n_layers):
         x = llama.block(x, jax.tree.map(lambda w: w[i], params["layers"]), cfg, cos, sin)
-    unrolled = common.rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]
-    scanned, _ = llama.forward(params, toks, cfg, dtype=jnp.float32)
+    unrolled = rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]
+    scanned, _ = llama.forward(params, toks, cfg)
     assert_trees_close(scanned, unrolled, rel=1e-5)
 
 
@@ -129,7 +133,7 @@ def test_the_exported_program_offloads_exactly_the_table(name, preset, changes):
     moves to host exactly the tags its table offloads that the backward pass reads. (Every
     row's placement is a preset here, or a row's changes to one.)"""
     family = FAMILIES[name][0]
-    tables = activations.placement(preset, changes, family.SCANS)
+    tables = activations.resolve(preset, changes, family.SCANS)
     wanted = {(scan, t) for scan, table in tables.items() for t, p in table.items()
               if p == "offload" and t not in NEVER_NEEDED}
     experiment = configs.get(EXPORTED[name][0])
@@ -158,5 +162,5 @@ def test_a_mismatch_between_traced_and_exported_placement_is_caught():
 
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     assert export.export(jax.jit(step), platforms=["cuda"])(x)  # exports fine for a GPU
-    with pytest.raises(placement.PlacementError):
-        placement.verify_offloads(jax.jit(step), x)
+    with pytest.raises(offload_proof.PlacementError):
+        offload_proof.verify_offloads(jax.jit(step), x)

@@ -5,6 +5,7 @@ The two processes run tests/multihost_worker.py (train.main, then the sharded im
 this test computes the one-process reference in its own worker (8 devices, conftest.py).
 """
 
+from conftest import start_state
 import json
 import re
 from pathlib import Path
@@ -42,7 +43,7 @@ def one_process_checkpoint(folder: Path) -> dict:
     argv = worker.RUNS["deepseek"]
     setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
     target = trainer_target.this_machine()
-    state, _ = runtime_setup.start_state(setup, target, runtime_setup.layout(setup, target))
+    state, _ = start_state(setup, target)
     saver = checkpoints.Saver(folder, keep=1, every=1)
     saver.save(0, state, checkpoints.run_meta(0, setup, setup.run.batch(jax.device_count())))
     saver.close()
@@ -133,8 +134,7 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
                                   jax.devices())
             setup.resume = checkpoints.find(str(run_dir), "", "")
             target = trainer_target.this_machine()
-            state, step = runtime_setup.start_state(setup, target,
-                                                    runtime_setup.layout(setup, target))
+            state, step = start_state(setup, target)
             assert step == 2
             want = worker.flat(state["params"])
         assert sorted(got) == sorted(want)

@@ -6,7 +6,6 @@ figures; and causality, by gradient."""
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,8 +13,10 @@ from conftest import FIXTURES, TINY_DEEPSEEK, TINY_LLAMA, one_device_params
 from configs.deepseek_v3 import DEEPSEEK_V3
 from configs.llama3 import LLAMA31_8B, LLAMA31_70B, LLAMA31_405B
 from hf.load import load_checkpoint
-from model import common, deepseek, families
-from model.config import DeepSeekConfig
+from model import deepseek, families
+from model.options import ForwardOptions
+from model.layers import rope_frequencies, yarn_frequencies
+from model.params import abstract_params, param_count
 from trainer.step import cross_entropy, loss_fn
 
 HF_CASES = [("llama_gqa", None), ("llama_sharded", None)] + [
@@ -28,9 +29,8 @@ def test_logits_and_loss_match_hugging_face(fixture, expert_path):
     """Within 1e-4 of the logits' scale: transformers' float32 CPU kernels sum in other orders."""
     cfg, params = load_checkpoint(FIXTURES / fixture)
     expected = np.load(FIXTURES / fixture / "expected.npz")
-    options = {"expert_path": expert_path} if expert_path else {}
-    logits, _ = families.of(cfg).forward(params, expected["tokens"], cfg, dtype=jnp.float32,
-                                         **options)
+    logits, _ = families.of(cfg).forward(params, expected["tokens"], cfg,
+                                         ForwardOptions(experts=expert_path))
     reference = expected["logits"]
     assert np.abs(np.asarray(logits) - reference).max() <= 1e-4 * np.abs(reference).max()
     loss = cross_entropy(logits[:, :-1], expected["tokens"][:, 1:])
@@ -43,9 +43,8 @@ def test_the_training_loss_is_hugging_faces(fixture):
     (it shifts them itself: position t predicts token t + 1)."""
     cfg, params = load_checkpoint(FIXTURES / fixture)
     expected = np.load(FIXTURES / fixture / "expected.npz")
-    options = {"expert_path": "dense"} if isinstance(cfg, DeepSeekConfig) else {}
-    loss, aux = jax.jit(lambda p, b: loss_fn(
-        p, b, model=cfg, policies=None, rules=None, dtype=jnp.float32, **options))(
+    options = ForwardOptions(experts="dense")
+    loss, aux = jax.jit(lambda p, b: loss_fn(p, b, model=cfg, options=options))(
         params, expected["tokens"])
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
     np.testing.assert_allclose(aux["cross_entropy"], expected["loss"], rtol=1e-5)
@@ -127,7 +126,7 @@ def test_balance_loss_matches_the_papers_formula():
 def test_rope_frequencies_follow_the_llama3_rule_in_float64():
     """An independent per-frequency transcription of Meta's apply_scaling."""
     scaling = LLAMA31_405B.rope_scaling
-    got = common.rope_frequencies(128, 500_000.0, scaling)
+    got = rope_frequencies(128, 500_000.0, scaling)
     for i, f in enumerate(1.0 / 500_000.0 ** (np.arange(0, 128, 2) / 128)):
         wavelength = 2 * np.pi / f
         if wavelength < scaling.original_max_position / scaling.high_freq_factor:
@@ -142,7 +141,7 @@ def test_rope_frequencies_follow_the_llama3_rule_in_float64():
 
 def test_yarn_keeps_fast_and_divides_slow_frequencies_for_v3():
     """Correction dims 10..23 for rope dim 64, base 1e4, original context 4096 (YaRN)."""
-    freqs = common.yarn_frequencies(64, 10_000.0, DEEPSEEK_V3.rope_scaling)
+    freqs = yarn_frequencies(64, 10_000.0, DEEPSEEK_V3.rope_scaling)
     base = 1.0 / 10_000.0 ** (np.arange(0, 64, 2) / 64)
     np.testing.assert_allclose(freqs[:11], base[:11], rtol=1e-6)
     np.testing.assert_allclose(freqs[23:], base[23:] / 40, rtol=1e-6)
@@ -155,8 +154,8 @@ def test_yarn_keeps_fast_and_divides_slow_frequencies_for_v3():
                                         (DEEPSEEK_V3, 671_026_419_200)])  # correction biases in
 def test_parameter_counts_of_the_real_models(cfg, count):
     specs = families.of(cfg).param_specs(cfg)
-    assert common.param_count(specs) == count
-    assert sum(a.size for a in jax.tree.leaves(common.abstract_params(specs))) == count
+    assert param_count(specs) == count
+    assert sum(a.size for a in jax.tree.leaves(abstract_params(specs))) == count
 
 
 def test_deepseek_v3_active_parameters_and_softmax_scale():
@@ -182,11 +181,9 @@ def test_causality_by_gradient(cfg):
     row of a later token gets exactly zero gradient (through every layer, the experts' too)."""
     params, seq, t = one_device_params(cfg), 10, 4
     toks = jax.random.permutation(jax.random.key(3), cfg.vocab)[:seq][None]
-    options = {"expert_path": "dense"} if isinstance(cfg, DeepSeekConfig) else {}
-
     def logits_at_t(embed):
         logits, _ = families.of(cfg).forward({**params, "embed": embed}, toks, cfg,
-                                             dtype=jnp.float32, **options)
+                                             ForwardOptions(experts="dense"))
         return logits[0, t].sum()
 
     grad = np.asarray(jax.grad(logits_at_t)(params["embed"]))

@@ -17,12 +17,11 @@ import jax
 import pytest
 
 from offload.optimizer_state import per_device_bytes
-from runtime import setup as runtime_setup
-from runtime.placement import CompiledMemory
+from runtime.own_program import CompiledMemory
 from study import memory
+from study.cli import study_setup
 from study.compiled import compile_row
 from test_gpu_compile import gpus
-from trainer import program
 
 # Llama 3.1 8B's family, 1024 wide, a 4k vocabulary, on llama8b-offload's 8 GB200s with its
 # settings (bf16 compute, fp32 masters and moments, the loss in 8 chunks) unless overridden.
@@ -60,12 +59,9 @@ class Step(typing.NamedTuple):
 def compiled_step(name: str, overrides: tuple[str, ...]) -> Step:
     """`python -m study compile NAME OVERRIDES...`: the step at full scale on its
     compile-only GPUs, and its plan (with the tags where the compiled program put them)."""
-    setup = runtime_setup.resolve(name, list(overrides), full=True)
-    run = setup.run
-    row = compile_row(setup, gpus(run.device, run.mesh.devices))
-    built = row.built
-    state = program.abstract_state(setup.model, run, built.rules, built.optimizer)
-    batch = program.abstract_batch(run, built.rules, len(built.target.devices))
+    setup, gpu = study_setup(name, list(overrides))
+    row = compile_row(setup, gpu, gpus(gpu.name, setup.run.mesh.devices))
+    state, batch = row.program.state_shapes, row.program.batch_shape
     # With the moments on host, the optimizer's step counts (0-d) stay on the device.
     counts = [x for x in jax.tree.leaves(state["opt_state"])
               if not x.ndim and row.full_plan.optimizer_on_host]

@@ -12,6 +12,8 @@ import pytest
 import nvfp4_reference as ref
 
 from model import quant
+from model.options import ForwardOptions
+from model.params import abstract_params
 import configs
 from trainer import target as trainer_target
 
@@ -252,7 +254,7 @@ DEEPSEEK_MATRICES = {"wq_a": "btd,dr->btr", "wq_b": "btr,rnh->btnh", "wkv_a": "b
 
 def nvfp4_products(monkeypatch, family, cfg) -> list[tuple[str, tuple]]:
     """(subscripts, weight shape) of every product fp4.einsum takes in one forward."""
-    from model import common, fp4
+    from model import fp4
     calls = []
     original = fp4.einsum
 
@@ -262,11 +264,10 @@ def nvfp4_products(monkeypatch, family, cfg) -> list[tuple[str, tuple]]:
 
     monkeypatch.setattr(fp4, "einsum", recording)
     specs = family.param_specs(cfg)
-    params = common.abstract_params(specs)
+    params = abstract_params(specs)
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
-    options = {"expert_path": "dense"} if "router" in str(specs) else {}
-    jax.eval_shape(partial(family.forward, cfg=cfg, dtype=jnp.float32,
-                           quantization=quant.Quantization(), **options), params, tokens)
+    options = ForwardOptions(quantization=quant.Quantization(), experts="dense")
+    jax.eval_shape(partial(family.forward, cfg=cfg, options=options), params, tokens)
     return calls, specs
 
 

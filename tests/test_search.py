@@ -9,7 +9,7 @@ import pytest
 import configs
 from study import search_report as ps
 from study.__main__ import main as study_main
-from study.gpus import GPUS
+from study.gpus import GPUS, gpu_of
 from study import plan, search
 from runtime import setup as runtime_setup
 
@@ -17,7 +17,7 @@ from runtime import setup as runtime_setup
 def predicted(name: str, device: str = "gb200") -> search.Prediction:
     """A study row as the search predicts it on 128 GPUs of `device`, counted on its trace."""
     row = configs.get(name)
-    tracer = ps.tracer_for(row)
+    tracer = ps.tracer_for(row, gpu_of(row.name))
     hw = ps.hardware(GPUS[device], 128)
     return ps.exact(tracer, ps.row_candidate(tracer, row), hw)
 
@@ -39,7 +39,7 @@ def test_predicted_memory_is_the_static_plans(name):
     tensors more on the device)."""
     row = configs.get(name)
     tables = runtime_setup.resolve_placement(row.model, row.run)
-    planned = plan.full_scale(row, tables)
+    planned = plan.full_scale(row, gpu_of(row.name), tables)
     assert (planned.pipelined > 0) == (name != "deepseek671b-device-mb8")
     assert predicted(row.name).device_bytes == planned.peak_estimate
 
@@ -59,14 +59,15 @@ def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_
     experts and the devices (and only those asked for when given); a dense model has none.
     A candidate at another degree runs as that mesh, with its tables."""
     row = configs.get("deepseek671b-offload")
-    assert ps.experts_of(row, "") == [2, 4, 8, 16, 32, 64]  # 128 GB200s: domains of 64
-    assert ps.experts_of(row, "16,4") == [4, 16]
+    # 128 GB200s: domains of 64
+    assert ps.experts_of(row, GPUS["gb200"], "") == [2, 4, 8, 16, 32, 64]
+    assert ps.experts_of(row, GPUS["gb200"], "16,4") == [4, 16]
     for bad in ("3", "0", "512", "two"):
         with pytest.raises(configs.ConfigError):
-            ps.experts_of(row, bad)
-    assert ps.experts_of(configs.get("llama405b-offload"), "") == [1]
+            ps.experts_of(row, GPUS["gb200"], bad)
+    assert ps.experts_of(configs.get("llama405b-offload"), GPUS["gb200"], "") == [1]
     with pytest.raises(configs.ConfigError):
-        ps.experts_of(configs.get("llama405b-offload"), "2")
+        ps.experts_of(configs.get("llama405b-offload"), GPUS["gb200"], "2")
     tables = {"dense_layers": {"mlpwi_0": "offload"}, "moe_layers": {"moe_mlpwi_0": "device"}}
     candidate = search.make_candidate(4, tables, search.Schedule(True), mesh=(1, 32, 4))
     setup = runtime_setup.resolve(row.name, search.overrides(candidate, list(tables)),
@@ -77,13 +78,15 @@ def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_
 
 def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
     row = configs.get("llama405b-offload")
-    result = ps.run_search(row, {**ps.OPTIONS, "batches": "2", "exact": "1"}, lambda: 0.0)
+    result = ps.run_search(row, gpu_of(row.name), {**ps.OPTIONS, "batches": "2", "exact": "1"},
+                           lambda: 0.0)
     best = result.ranked[0]
     assert best.fits and best.exact
     assert best.tflops >= max(p.tflops for p in result.rows  # rows searched alike: mb 2
                               if p.fits and p.candidate.batch == 2)
     # The leader's recompute summed per tag equals its own trace's count.
-    estimate = search.predict(best.candidate, ps.tracer_for(row).workload(2), result.hw)
+    estimate = search.predict(best.candidate, ps.tracer_for(row, gpu_of(row.name)).workload(2),
+                              result.hw)
     assert estimate.step_s == pytest.approx(best.step_s, rel=1e-9)
     setup = runtime_setup.resolve(row.name, ps.run_overrides(best, row.model), full=True)
     assert setup.placement == {"layers": best.candidate.table("layers")}

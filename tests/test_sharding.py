@@ -10,9 +10,12 @@ import pytest
 
 from configs import MeshConfig, OptimizerConfig, RunConfig
 from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA
-from model import common, deepseek, experts, llama
+from model import deepseek, experts, llama
+from model.options import ForwardOptions
+from model.params import ParamSpec, init_params, param_shardings
+from model.sharding import AxisRules, make_mesh
 from offload import activations
-from trainer.program import make_loss, make_mesh
+from trainer.program import forward_options, make_loss, mesh_of
 from trainer.step import device_update, expert_metrics, loss_fn, make_optimizer, train_step
 from trainer.target import Target
 
@@ -21,8 +24,8 @@ def step(params, batch, rules, loss_chunks=1):
     optimizer = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = activations.checkpoint_policy(activations.PRESETS["qkv_offload"])
-    loss = partial(loss_fn, model=SHARDED_LLAMA, policies={"layers": policy}, rules=rules,
-                   dtype=jnp.float32, loss_chunks=loss_chunks)
+    loss = partial(loss_fn, model=SHARDED_LLAMA, loss_chunks=loss_chunks,
+                   options=ForwardOptions(policies=(("layers", policy),), rules=rules))
     grads = jax.grad(loss, has_aux=True)(params, batch)
     _, metrics = train_step(state, batch, loss=loss, update=device_update(optimizer))
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
@@ -35,14 +38,14 @@ def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
     """Also: the loss in 4 chunks of the sequence (logits recomputed per chunk in the
     backward pass) equals the loss of all logits at once, gradients included."""
     specs = llama.param_specs(SHARDED_LLAMA)
-    one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    eight = common.make_mesh((1, 8), ("data", "fsdp"))
-    rules = common.AxisRules(mesh=eight)
-    params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
+    one = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    eight = make_mesh((1, 8), ("data", "fsdp"))
+    rules = AxisRules(mesh=eight)
+    params = init_params(specs, AxisRules(mesh=one), jax.random.key(0))
     batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, SHARDED_LLAMA.vocab))
 
     reference = jax.jit(partial(step, rules=None))(params, batch)
-    sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
+    sharded_params = jax.device_put(params, param_shardings(specs, rules))
     assert sharded_params["layers"]["wq"].sharding.spec[1] == "fsdp"  # really sharded
     sharded_batch = jax.device_put(batch, rules.sharding(("batch", None)))
     sharded = jax.jit(partial(step, rules=rules, loss_chunks=loss_chunks))(sharded_params,
@@ -66,20 +69,21 @@ def test_deepseek_over_8_devices_equals_one_device(expert_path, mesh):
     loads and the gradients equal those of one device without checkpointing; nothing is
     dropped."""
     specs = deepseek.param_specs(SHARDED_DEEPSEEK)
-    one = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(specs, common.AxisRules(mesh=one), jax.random.key(0))
+    one = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    params = init_params(specs, AxisRules(mesh=one), jax.random.key(0))
     batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, SHARDED_DEEPSEEK.vocab))
     run = RunConfig(compute_dtype="float32", expert_path=expert_path, mesh=MeshConfig(*mesh))
 
     def loss_and_grads(params, batch, rules, run, tables):
-        loss = make_loss(SHARDED_DEEPSEEK, run, tables, rules, Target("cpu"))
+        options = forward_options(SHARDED_DEEPSEEK, run, tables, rules, Target("cpu"))
+        loss = make_loss(SHARDED_DEEPSEEK, run, options)
         return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
     reference = jax.jit(partial(loss_and_grads, rules=None, tables=None,
                                 run=dataclasses.replace(run, mesh=MeshConfig())))(params, batch)
-    rules = common.AxisRules(mesh=make_mesh(run, jax.devices()))
-    tables = activations.placement("dsv3_offload", {}, deepseek.SCANS)
-    sharded_params = jax.device_put(params, common.param_shardings(specs, rules))
+    rules = AxisRules(mesh=mesh_of(run, jax.devices()))
+    tables = activations.resolve("dsv3_offload", {}, deepseek.SCANS)
+    sharded_params = jax.device_put(params, param_shardings(specs, rules))
     experts = sharded_params["moe_layers"]["we_gate"]  # [L, E, D, F]: E/(expert x fsdp) each
     assert experts.sharding.shard_shape(experts.shape)[1:3] == (
         SHARDED_DEEPSEEK.n_experts // (mesh[1] * mesh[2]), SHARDED_DEEPSEEK.d_model)
@@ -101,8 +105,8 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room():
     x = rng.normal(size=(8, 6, cfg.d_model)).astype(np.float32)  # one sequence per device
     layer = jax.tree.map(lambda s: rng.normal(scale=0.2, size=s.shape[1:]).astype(np.float32),
                          deepseek.param_specs(cfg)["moe_layers"],
-                         is_leaf=lambda s: isinstance(s, common.ParamSpec))
-    rules = common.AxisRules(mesh=common.make_mesh((1, devices), ("fsdp", "expert")))
+                         is_leaf=lambda s: isinstance(s, ParamSpec))
+    rules = AxisRules(mesh=make_mesh((1, devices), ("fsdp", "expert")))
     parallel = deepseek.ExpertParallel(devices, capacity)
     out, stats = jax.jit(partial(deepseek.moe, cfg=cfg, expert_path="dense", rules=rules,
                                  parallel=parallel))(x, layer)

@@ -11,7 +11,7 @@ from study import memory, plan
 from study.traced_step import TracedStep
 from study.__main__ import main as study_main
 from study.compile_only import pool_bytes
-from study.gpus import GPUS
+from study.gpus import EXPERIMENT_GPUS, GPUS, gpu_of
 from conftest import TINY_DEEPSEEK
 from model import deepseek, families, llama
 from offload import activations
@@ -32,11 +32,12 @@ STUDY_MEMORY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs":
 
 def full_plan(name: str) -> memory.MemoryPlan:
     experiment = configs.get(name)
-    return plan.full_scale(experiment, resolve_placement(experiment.model, experiment.run))
+    return plan.full_scale(experiment, gpu_of(experiment.name),
+                           resolve_placement(experiment.model, experiment.run))
 
 
 def test_the_llama_rows_offload_q_k_and_v():
-    tables = activations.placement("qkv_offload", {}, llama.SCANS)
+    tables = activations.resolve("qkv_offload", {}, llama.SCANS)
     assert tables == {s: {t: "offload" for t in tags} for s, tags in LLAMA_OFFLOADED.items()}
     assert {configs.get(n).run.preset for n in configs.COMPARISONS["llama405b-compare"]} == {
         "remat", "qkv_offload"}
@@ -45,7 +46,7 @@ def test_the_llama_rows_offload_q_k_and_v():
 def test_the_deepseek_rows_place_the_studys_tensors():
     """Offloaded in `dsv3_offload`, kept on device in `dsv3_device`, tag by tag."""
     for preset, place in [("dsv3_offload", "offload"), ("dsv3_device", "device")]:
-        tables = activations.placement(preset, {}, deepseek.SCANS)
+        tables = activations.resolve(preset, {}, deepseek.SCANS)
         assert tables == {s: {t: place for t in tags} for s, tags in DEEPSEEK_OFFLOADED.items()}
 
 
@@ -92,9 +93,11 @@ def test_the_deepseek_rows_fit_as_the_study_found():
     assert offload.fits and offload.host_activations > 100 * GiB
 
 
-def test_a_run_names_one_of_the_studys_gpus():
-    """device=NAME: the GPUs a run may name (configs) are those the study has specs of."""
-    assert set(configs.DEVICES) == set(GPUS)
+def test_the_rows_made_for_other_gpus_name_experiments_and_gpus_the_study_has():
+    """study/gpus.py EXPERIMENT_GPUS: a renamed experiment would silently fall back to GB200s."""
+    assert set(EXPERIMENT_GPUS) <= set(configs.EXPERIMENTS)
+    assert {gpu_of(name).name for name in configs.EXPERIMENTS} <= set(GPUS)
+    assert gpu_of("llama70b-8xh200").name == "h200" and gpu_of("llama405b-offload").name == "gb200"
 
 
 def test_plans_measure_against_the_memory_jax_takes(monkeypatch):
@@ -140,4 +143,4 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     devices = run.mesh.devices if scale == "full" else 8
     assert configs.problems(model, run, devices) == []
     if run.preset != activations.NO_CHECKPOINT:
-        activations.placement(run.preset, run.placement, families.scan_tags(model))
+        activations.resolve(run.preset, run.placement, families.of(model).SCANS)

@@ -10,26 +10,27 @@ import numpy as np
 
 import configs
 from configs import OptimizerConfig
-from model import common, llama, quant
+from model import llama, quant
+from model.options import ForwardOptions
+from model.params import init_params
+from model.sharding import AxisRules, make_mesh
 from offload import activations
 from data.tokens import SyntheticTokens, TokenFile
 from trainer.step import device_update, loss_fn, make_optimizer, train_step
 from conftest import SMALL, run_cli
 
 
-def proxy_losses(batches, lr: float, cfg=None, **loss_options) -> list[float]:
+def proxy_losses(batches, lr: float, cfg=None, options=ForwardOptions()) -> list[float]:
     """The loss of each step of the llama405b proxy (2 layers, vocab 256; or `cfg`) on one
-    device, one step per batch, from the same initial weights."""
+    device, one step per batch, from the same initial weights, its forward as `options` say."""
     if cfg is None:
         cfg = configs.get("llama405b-offload").proxy_model
         cfg = dataclasses.replace(cfg, n_layers=2, vocab=256)
-    mesh = common.make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
-    params = common.init_params(llama.param_specs(cfg), common.AxisRules(mesh=mesh),
-                                jax.random.key(0))
-    optimizer = make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0),
-                                        steps=len(batches))
+    mesh = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
+    params = init_params(llama.param_specs(cfg), AxisRules(mesh=mesh), jax.random.key(0))
+    optimizer = make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0), steps=len(batches))
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(loss_fn, model=cfg, rules=None, dtype=jnp.float32, **loss_options)
+    loss = partial(loss_fn, model=cfg, options=options)
     step = jax.jit(partial(train_step, loss=loss, update=device_update(optimizer)))
     losses = []
     for batch in batches:
@@ -40,8 +41,9 @@ def proxy_losses(batches, lr: float, cfg=None, **loss_options) -> list[float]:
 
 def test_loss_falls_on_a_repeated_batch():
     batch = SyntheticTokens(256, seed=0).batch(0, 4, 32)
-    losses = proxy_losses([batch] * 30, lr=3e-3, policies={
-        "layers": activations.checkpoint_policy(activations.PRESETS["qkv_offload"])})
+    policy = activations.checkpoint_policy(activations.PRESETS["qkv_offload"])
+    losses = proxy_losses([batch] * 30, lr=3e-3,
+                          options=ForwardOptions(policies=(("layers", policy),)))
     assert losses[-1] < 0.5 * losses[0], losses  # memorising 4 x 32 tokens
 
 
@@ -64,8 +66,8 @@ def test_fp4_backward_training_tracks_bf16_backward_and_full_precision():
     cfg = dataclasses.replace(configs.get("llama405b-offload").proxy_model, n_layers=2,
                               vocab=256, d_model=64, n_heads=2, n_kv_heads=1, head_dim=32,
                               d_ff=208)
-    full, bf16, fp4 = (np.array(proxy_losses(batches, lr=3e-3, cfg=cfg, policies=None,
-                                             quantization=quantization))
+    full, bf16, fp4 = (np.array(proxy_losses(batches, lr=3e-3, cfg=cfg,
+                                             options=ForwardOptions(quantization=quantization)))
                        for quantization in (None, quant.Quantization(backward="bf16"),
                                             quant.Quantization(backward="fp4")))
     assert np.all(np.abs(bf16 - full) <= 0.1 + 0.02 * full), (full, bf16)

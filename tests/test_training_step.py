@@ -16,10 +16,13 @@ import configs
 from configs import MeshConfig, OptimizerConfig
 import reference_step
 from conftest import SHARDED_DEEPSEEK, SHARDED_LLAMA, TINY_LLAMA, one_device_params, tokens
-from model import common, deepseek, llama
-from model.config import DeepSeekConfig
+from model import deepseek, llama
+from model.options import ForwardOptions
+from model.params import init_params
+from model.sharding import AxisRules, make_mesh
 from runtime import setup as runtime_setup
-from trainer import program, target as trainer_target
+from trainer import target as trainer_target
+from trainer.program import Program
 from trainer.step import loss_fn, make_optimizer, update_router_bias
 
 
@@ -50,8 +53,8 @@ def test_a_zero_gradient_step_decays_every_matrix_and_nothing_else(family, model
     """AdamW (optax's definition, decoupled): with zero gradients the Adam term is 0, so one
     step moves each decayed weight by exactly -lr x weight_decay x itself."""
     lr, decay = 0.01, 0.1
-    mesh = common.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
-    params = common.init_params(family.param_specs(model), common.AxisRules(mesh=mesh),
+    mesh = make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+    params = init_params(family.param_specs(model), AxisRules(mesh=mesh),
                                 jax.random.key(0))
     optimizer = make_optimizer(
         OptimizerConfig(lr=lr, warmup_steps=0, weight_decay=decay), steps=10)
@@ -162,9 +165,8 @@ def float64_gradients(model, run, like):
     the project's loss differentiated in float64, on one device, with no checkpointing and
     every expert computed densely (each checked against the trainer's path:
     tests/test_invariances.py, tests/test_sharding.py)."""
-    options = {"expert_path": "dense"} if isinstance(model, DeepSeekConfig) else {}
-    loss = partial(loss_fn, model=model, policies=None, rules=None, dtype=jnp.float64,
-                   balance_weight=run.balance_loss_weight, **options)
+    loss = partial(loss_fn, model=model, balance_weight=run.balance_loss_weight,
+                   options=ForwardOptions("float64", experts="dense"))
 
     def gradients(params, batch):
         with jax.enable_x64(True):
@@ -178,23 +180,20 @@ def float64_gradients(model, run, like):
 
 
 def trainer_steps(model, run, params, batches):
-    """The trainer's own jitted step (trainer/program.py) over 8 CPU devices, FSDP: the state
-    after each batch."""
-    rules = common.AxisRules(mesh=program.make_mesh(run, jax.devices()))
-    optimizer = make_optimizer(run.optimizer, run.steps)
-    shardings = jax.tree.map(lambda a: a.sharding,
-                             program.abstract_state(model, run, rules, optimizer))
+    """The trainer's own compiled step (trainer/program.py) over 8 CPU devices, FSDP: the state
+    after each batch (compiled for the batches' shape)."""
+    run = dataclasses.replace(run, seq=batches[0].shape[1] - 1, global_batch=len(batches[0]))
+    program = Program(model, run, runtime_setup.resolve_placement(model, run),
+                      trainer_target.this_machine())
+    shardings = jax.tree.map(lambda a: a.sharding, program.state_shapes)
     # Copies: the step donates its state, and the caller's `params` start the reference.
     params = jax.device_put(jax.tree.map(np.asarray, params), shardings["params"])
     state = {"params": params, "opt_state": jax.jit(
-        optimizer.init, out_shardings=shardings["opt_state"])(params),
-        "step": jnp.zeros((), jnp.int32)}
-    tables = runtime_setup.resolve_placement(model, run)
-    step = program.make_step(model, run, tables, rules, optimizer, trainer_target.this_machine())
+        program.optimizer.init, out_shardings=shardings["opt_state"])(params),
+        "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
     history = []
     for batch in batches:
-        state, _ = step(state, jax.device_put(batch, program.abstract_batch(
-            run, rules, 8).sharding))
+        state, _ = program.step(state, program.batch(np.asarray(batch)))
         history.append({"params": flat(state["params"]),
                         "mu": flat(optax.tree.get(state["opt_state"], "mu")),
                         "nu": flat(optax.tree.get(state["opt_state"], "nu"))})

@@ -1,7 +1,10 @@
-"""The train step as a program: its mesh, sharded abstract state and batch, its loss with
-the run's placement and kernels, jitted, and compiled ahead of time for a target. The study
-tools (study/) build on these functions; nothing here knows of them."""
+"""The train step as a program (`Program`): its mesh and axis rules, optimizer, forward options,
+the state's sharded shapes (computed once), and the step and its evaluation, traced and compiled
+ahead of time for a target when first asked for. A run builds one for this machine's devices;
+the study tools build the same for GPUs they compile without (study/compiled.py)."""
 
+import functools
+import time
 from functools import partial
 
 import jax
@@ -9,42 +12,94 @@ import jax.numpy as jnp
 import optax
 
 from configs import MESH_AXES, ConfigError, RunConfig
-from model import common, families, quant
+from model import families, quant
+from model.options import ForwardOptions
+from model.experts import ExpertParallel
+from model.params import abstract_params, init_params, param_shardings
+from model.sharding import AxisRules, make_mesh
 from offload import activations
 from offload.optimizer_state import host_update
 from runtime.backend import explained_compile
-from trainer.step import device_update, loss_fn, optimizer_parts, train_step
-from trainer.target import ANY, Target, compiler_options, forward_options, quantization
+from trainer.step import device_update, loss_fn, make_optimizer, optimizer_parts, train_step
+from trainer.target import ANY, Target, compiler_options, quantization
 
 
-def make_mesh(run: RunConfig, devices) -> jax.sharding.Mesh:
+def mesh_of(run: RunConfig, devices) -> jax.sharding.Mesh:
     """The run's data x fsdp x expert mesh over `devices` in their order, the expert axis
     innermost: each expert group is mesh.expert consecutive devices (one NVLink domain when
     processes take consecutive ranks by host), so its exchanges stay among them (docs/model.md)."""
-    return common.make_mesh(run.mesh.shape(len(devices)), MESH_AXES, devices)
+    return make_mesh(run.mesh.shape(len(devices)), MESH_AXES, devices)
 
 
-def abstract_state(model, run: RunConfig, rules: common.AxisRules, optimizer):
-    """The train state as sharded ShapeDtypeStructs: what init_state makes, without making it."""
+def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRules | None,
+                    target: Target) -> ForwardOptions:
+    """What the forward depends on for this run and target: the placement's checkpoint
+    policies, the axis rules, the compute dtype, the attention kernel (cuDNN's on a GPU in
+    bf16 or f16 unless set), the NVFP4 path and, for MoE models, the routed experts' path
+    (dense on CPUs, where ragged_dot is slow) or their split over the expert axis."""
+    attention = "xla" if target.platform == "any" else run.attention
+    if attention == "auto":
+        fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
+        attention = "cudnn" if fused else "xla"
+    experts, parallel = None, None
+    if hasattr(model, "n_experts") and run.mesh.expert > 1:
+        parallel = ExpertParallel(run.mesh.expert, run.expert_capacity)
+    elif hasattr(model, "n_experts"):
+        auto = "dense" if target.platform == "cpu" else "sorted"
+        experts = auto if run.expert_path == "auto" else run.expert_path
+    policies = tuple(activations.checkpoint_policies(placement).items())
+    return ForwardOptions(run.compute_dtype, policies, rules,
+                          None if attention == "xla" else attention,
+                          quantization(run, target), experts, parallel)
+
+
+def abstract_state(model, run: RunConfig, rules: AxisRules, optimizer):
+    """The train state as sharded ShapeDtypeStructs: what `init_state` makes, without making it."""
     specs = families.of(model).param_specs(model)
-    params = common.abstract_params(specs, jnp.dtype(run.param_dtype))
-    param_shardings = common.param_shardings(specs, rules)
+    params = abstract_params(specs, jnp.dtype(run.param_dtype))
+    shardings = param_shardings(specs, rules)
     replicated = rules.sharding(())
     opt_state = jax.eval_shape(optimizer.init, params)
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, shardings,
                                           transform_non_params=lambda _: replicated)
     if run.optimizer_state == "host":  # the moments; the step counts (0-d) stay on device
         opt_shardings = jax.tree.map(lambda a, s: s.with_memory_kind("pinned_host") if a.ndim
                                      else s, opt_state, opt_shardings)
     shapes = {"params": params, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    shardings = {"params": shardings, "opt_state": opt_shardings, "step": replicated}
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, shardings)
 
 
-def abstract_batch(run: RunConfig, rules: common.AxisRules, n_devices: int):
+def abstract_batch(run: RunConfig, rules: AxisRules, n_devices: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((run.batch(n_devices), run.seq + 1), jnp.int32,
                                 sharding=rules.sharding(("batch", None)))
+
+
+def global_batch(tokens, sharding) -> jax.Array:
+    """The global batch [B, T+1] every process built alike, each holding its devices' rows."""
+    return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def make_loss(model, run: RunConfig, options: ForwardOptions):
+    """(params, batch, key) -> (loss, aux): of a sharded batch on `options.rules`' mesh or,
+    with rules None, of one device's share traced alone (under expert parallelism its
+    parameters then hold only that device's routed experts, as the study tools trace it)."""
+    return partial(loss_fn, model=model, options=options,
+                   balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks)
+
+
+def make_step(model, run: RunConfig, options: ForwardOptions, optimizer):
+    """(state, batch) -> (state, metrics), not jitted: the optimizer state on device, or in
+    host memory (offload/optimizer_state.py) passing through the device a layer at a time."""
+    if run.optimizer_state == "host":
+        clip, adamw = optimizer_parts(run.optimizer, run.steps)
+        update = host_update(clip, adamw, families.of(model).SCANS)
+    else:
+        update = device_update(optimizer)
+    return partial(train_step, loss=make_loss(model, run, options), update=update,
+                   router_bias_rate=run.router_bias_rate, expert_devices=run.mesh.expert,
+                   seed=run.seed)
 
 
 def quantization_problems(model, run: RunConfig) -> list[str]:
@@ -53,62 +108,87 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
     if run.quant == "none":
         return []
     family = families.of(model)
-    forward = partial(family.forward, cfg=model, quantization=quantization(run, ANY))
+    options = ForwardOptions(quantization=quantization(run, ANY), experts="sorted")
     try:
-        jax.eval_shape(forward, common.abstract_params(family.param_specs(model)),
+        jax.eval_shape(partial(family.forward, cfg=model, options=options),
+                       abstract_params(family.param_specs(model)),
                        jax.ShapeDtypeStruct((1, 16), jnp.int32))
     except quant.QuantError as e:
         return [f"quant={run.quant}: {e}"]
     return []
 
 
-def make_loss(model, run: RunConfig, placement: dict | None, rules, target: Target):
-    """The loss of a sharded step (`rules`), or, with rules=None, of one device's share traced
-    alone: under expert parallelism (run.mesh.expert > 1) its parameters then hold only that
-    device's E/mesh.expert routed experts (as study/traced_step.py makes them)."""
-    return partial(loss_fn, model=model, policies=activations.checkpoint_policies(placement),
-                   rules=rules, dtype=jnp.dtype(run.compute_dtype),
-                   balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks,
-                   **forward_options(model, run, target))
+class Program:
+    """One run's train step for one target. Nothing is allocated or compiled until asked:
+    `step` and `evaluate` compile on first use (their seconds add up in `compile_s`), so a
+    resume reads its checkpoint against `state_shapes` before anything compiles."""
 
+    def __init__(self, model, run: RunConfig, placement: dict | None, target: Target):
+        self.model, self.run, self.placement, self.target = model, run, placement, target
+        self.rules = AxisRules(mesh=mesh_of(run, target.devices))
+        self.optimizer = make_optimizer(run.optimizer, run.steps)
+        self.options = forward_options(model, run, placement, self.rules, target)
+        self.state_shapes = abstract_state(model, run, self.rules, self.optimizer)
+        self.batch_shape = abstract_batch(run, self.rules, len(target.devices))
+        self.batch_size = self.batch_shape.shape[0]
+        self.compile_s = 0.0
 
-def make_step(model, run: RunConfig, placement: dict | None, rules, optimizer, target: Target):
-    if run.optimizer_state == "host":
-        clip, adamw = optimizer_parts(run.optimizer, run.steps)
-        update = host_update(clip, adamw, families.of(model).SCANS)
-    else:
-        update = device_update(optimizer)
-    step = partial(train_step, loss=make_loss(model, run, placement, rules, target),
-                   update=update, router_bias_rate=run.router_bias_rate,
-                   expert_devices=run.mesh.expert, seed=run.seed)
-    return jax.jit(step, donate_argnums=0)
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.rules.mesh
 
+    def step_function(self):
+        """(state, batch) -> (state, metrics), not jitted (`make_step`)."""
+        return make_step(self.model, self.run, self.options, self.optimizer)
 
-def compile_eval(model, run: RunConfig, placement: dict | None, rules, optimizer,
-                 target: Target) -> jax.stages.Compiled:
-    """The forward-only loss of one batch (its cross-entropy), compiled ahead of time on the
-    step's mesh and for the parameters as its state holds them."""
-    loss = make_loss(model, run, placement, rules, target)
-    evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
-    params = abstract_state(model, run, rules, optimizer)["params"]
-    traced = evaluate.trace(params, abstract_batch(run, rules, rules.mesh.devices.size))
-    return traced.lower().compile()
+    @functools.cached_property
+    def traced(self) -> jax.stages.Traced:
+        """The step traced on the abstract state and batch (its jaxpr: what it offloads)."""
+        step = jax.jit(self.step_function(), donate_argnums=0)
+        return step.trace(self.state_shapes, self.batch_shape)
 
+    def compile(self, traced: jax.stages.Traced, options: dict | None = None):
+        """`traced` compiled with the run's XLA flags (a GPU target's) and `options`, timed."""
+        started = time.perf_counter()
+        try:
+            with explained_compile():
+                compiled = traced.lower().compile({**compiler_options(self.run, self.target),
+                                                   **(options or {})})
+        except jax.errors.JaxRuntimeError as e:
+            if "compile option" in str(e):  # an XLA flag this jaxlib does not know
+                raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
+            raise
+        self.compile_s += time.perf_counter() - started
+        return compiled
 
-def compile_step(model, run: RunConfig, placement: dict | None, rules, optimizer,
-                 target: Target, extra_options: dict | None = None):
-    """(the traced step's jaxpr, the step compiled ahead of time) as `target` runs it, from the
-    abstract state and batch on `rules.mesh` (nothing allocated): a run compiles for its own
-    devices, the study tools for compile-only GPUs (with `extra_options`), the same program."""
-    step = make_step(model, run, placement, rules, optimizer, target)
-    traced = step.trace(abstract_state(model, run, rules, optimizer),
-                        abstract_batch(run, rules, rules.mesh.devices.size))
-    try:
-        with explained_compile():
-            compiled = traced.lower().compile({**compiler_options(run, target),
-                                               **(extra_options or {})})
-    except jax.errors.JaxRuntimeError as e:
-        if "compile option" in str(e):  # an XLA flag this jaxlib does not know
-            raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
-        raise
-    return traced.jaxpr, compiled
+    @functools.cached_property
+    def step(self) -> jax.stages.Compiled:
+        return self.compile(self.traced)
+
+    @functools.cached_property
+    def evaluate(self) -> jax.stages.Compiled:
+        """The forward-only loss of one batch (its cross-entropy), on the step's mesh and for
+        the parameters as its state holds them."""
+        loss = make_loss(self.model, self.run, self.options)
+        evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
+        return self.compile(evaluate.trace(self.state_shapes["params"], self.batch_shape))
+
+    def init_state(self, checkpoint=None) -> dict:
+        """Parameters (random, or a Hugging Face `checkpoint`'s) and optimizer state, each
+        created already sharded on the mesh."""
+        shardings = jax.tree.map(lambda a: a.sharding, self.state_shapes)
+        specs = families.of(self.model).param_specs(self.model)
+        dtype = jnp.dtype(self.run.param_dtype)
+        params = (init_params(specs, self.rules, jax.random.key(self.run.seed), dtype)
+                  if checkpoint is None else checkpoint.arrays(shardings["params"], dtype))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings["opt_state"])(params)
+        return {"params": params, "opt_state": opt_state,
+                "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+
+    def batch(self, tokens) -> jax.Array:
+        return global_batch(tokens, self.batch_shape.sharding)
+
+    def eval_loss(self, params, batches) -> float:
+        """The mean cross-entropy over `batches` (numpy [B, T+1] each)."""
+        losses = [self.evaluate(params, self.batch(tokens)) for tokens in batches]
+        return float(sum(map(float, losses)) / len(losses))

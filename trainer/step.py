@@ -10,7 +10,8 @@ from einops import rearrange
 
 from configs import OptimizerConfig
 from model import families
-from model.common import constrain, unembed
+from model.layers import unembed
+from model.sharding import constrain
 
 
 def cross_entropy(logits, targets):
@@ -43,14 +44,14 @@ def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=Non
     return total / chunks
 
 
-def loss_fn(params, batch, key=None, *, model, policies, rules, dtype, balance_weight=0.0,
-            loss_chunks=1, **options):
-    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1; `key`: the step's random bits
-    (an FP4 backward's rounding). (loss, aux): aux holds the cross-entropy and, for MoE
-    models, the expert loads and the balance term."""
-    x, stats = families.of(model).trunk(params, batch[:, :-1], model, policies=policies,
-                                         rules=rules, dtype=dtype, key=key, **options)
-    loss = chunked_cross_entropy(x, params, batch[:, 1:], model.norm_eps, loss_chunks, rules)
+def loss_fn(params, batch, key=None, *, model, options, balance_weight=0.0, loss_chunks=1):
+    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1, the forward as `options` (a
+    ForwardOptions) says; `key`: the step's random bits (an FP4 backward's rounding).
+    (loss, aux): aux holds the cross-entropy and, for MoE models, the expert loads and the
+    balance term."""
+    x, stats = families.of(model).trunk(params, batch[:, :-1], model, options, key)
+    loss = chunked_cross_entropy(x, params, batch[:, 1:], model.norm_eps, loss_chunks,
+                                 options.rules)
     aux = {"cross_entropy": loss, **stats}
     if "balance_loss" in stats:
         loss = loss + balance_weight * stats["balance_loss"].sum()

@@ -21,7 +21,7 @@ from study import addressing
 from study.addressing import Proof
 from study.jaxpr import Tagged, moves_in
 from offload import optimizer_state
-from runtime.placement import DTYPE_NAMES, tagged_in
+from runtime.own_program import DTYPE_NAMES, tagged_in
 
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')

@@ -1,16 +1,12 @@
-"""Where a run's tagged activations live, read off its own program: the values its traced step
-tags in each layer scan and moves to host memory, and the host buffers and device memory of
-the program XLA compiled from it. Before the first step on a GPU, a probe checks that this
-jax reads offloaded activations back in the right layer order."""
+"""What a run reads off its own program: the values its traced step tags in each layer scan
+and moves to host memory, and the device memory and host buffers of the program XLA compiled
+from it (the run's header prints both)."""
 
 import dataclasses
 import re
 from collections.abc import Iterator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
 
 GiB, MiB = 2**30, 2**20
@@ -76,6 +72,11 @@ def tagged_in(jaxpr, offloaded: bool = False) -> dict[str, list[Tagged]]:
     return found
 
 
+def offloaded(jaxpr) -> dict[str, list[Tagged]]:
+    """tag -> the values a traced step moves to host memory right after tagging them."""
+    return tagged_in(jaxpr, offloaded=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledMemory:
     """One device's memory in a compiled program, as XLA's `memory_analysis()` gives it."""
@@ -84,18 +85,14 @@ class CompiledMemory:
     aliased: int  # outputs written over donated arguments
     temporaries: int
     host: int  # in pinned host memory: offloaded activations, the optimizer state on host
-    arrived: int = 0  # host optimizer state a compile-only program takes as device arguments
 
     @classmethod
-    def of(cls, compiled, arrived: int = 0) -> "CompiledMemory":
-        """`arrived`: bytes of host optimizer state (optimizer_state=host) a compile-only program
-        takes as device arguments (no memory kinds there), taken off `arguments`: on a GPU that
-        state arrives in host memory."""
+    def of(cls, compiled) -> "CompiledMemory":
         stats = compiled.memory_analysis()
         host = (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
                 - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
-        return cls(stats.argument_size_in_bytes - arrived, stats.output_size_in_bytes,
-                   stats.alias_size_in_bytes, stats.temp_size_in_bytes, host, arrived)
+        return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                   stats.alias_size_in_bytes, stats.temp_size_in_bytes, host)
 
     @property
     def device(self) -> int:
@@ -136,27 +133,3 @@ def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) ->
         shape, size = "x".join(map(str, value.shape)), size_words(value.nbytes)
         out.append(f"{value.scan:<13}{value.tag:<20}{shape:<22}{size:>9}  {where}")
     return out
-
-
-def _probe_gradient(policy, weights, x):
-    def layer(x, w):
-        y = checkpoint_name(jnp.sin(x * w), "probe")
-        return x + jnp.cos(y) * w, None
-
-    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(body, x, w)[0])))(weights)
-
-
-def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
-    """Whether this jax reads offloaded activations back from the layer that wrote them: a scan
-    whose layers each offload one value must have the gradient of one that keeps them on the device.
-    jaxlib 0.10.2 and 0.11.0 read them back in the wrong order on GPUs (openxla/xla #46231)."""
-    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["probe"],
-        offload_src="device", offload_dst="pinned_host")
-    keys = jax.random.split(jax.random.key(0), 2)
-    weights = jax.random.normal(keys[0], (layers, 8, 128), jnp.float32)
-    x = jax.random.normal(keys[1], (8, 128), jnp.float32)
-    kept, offloaded = (np.asarray(jax.jit(gradient, static_argnums=0)(p, weights, x))
-                       for p in (None, offload))
-    return bool(np.allclose(offloaded, kept, rtol=1e-4, atol=1e-5))

@@ -1,0 +1,37 @@
+"""What a forward pass depends on besides its parameters and tokens: one value, built once per
+program (trainer/program.py) and passed to both families' trunks the same way, so that the
+checkpoint policies and axis rules enter the model as arguments (jax-llm-examples keeps its
+sharding rules inside one static config the same way)."""
+
+import dataclasses
+from collections.abc import Callable
+
+from model.experts import ExpertParallel
+from model.quant import Quantization
+from model.sharding import AxisRules
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """Hashable (a static argument); the defaults are a plain float32 forward on one device."""
+    dtype: str = "float32"  # activations and matmuls; weights are cast per layer
+    policies: tuple[tuple[str, Callable], ...] = ()  # (scan, jax.checkpoint policy); none: none
+    rules: AxisRules | None = None  # None: traced for one device, no sharding constraints
+    attention: str | None = None  # None: XLA's; "cudnn": cuDNN's fused kernel (GPUs)
+    quantization: Quantization | None = None  # the layer matrices' GEMMs in NVFP4
+    experts: str | None = None  # routed experts without an expert axis: "sorted" or "dense"
+    expert_parallel: ExpertParallel | None = None  # routed experts split over an expert axis
+
+    def policy(self, scan: str) -> Callable | None:
+        """The checkpoint policy of each layer of `scan` (None: no checkpointing)."""
+        return dict(self.policies).get(scan)
+
+    def describe(self) -> str:
+        """The kernels, NVFP4 and experts, for a run's header."""
+        words = [f"attention {self.attention or 'xla'}",
+                 self.quantization.describe() if self.quantization else "weights unquantized"]
+        if self.expert_parallel:
+            words.append(self.expert_parallel.describe())
+        elif self.experts:
+            words.append(f"experts {self.experts}")
+        return ", ".join(words)
