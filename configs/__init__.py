@@ -20,27 +20,38 @@ DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
 
 
+def setting(default, allowed: str | tuple | None = None, *, resume: str = "free",
+            shown: str = ""):
+    """A run field declared once, beside it: `allowed`, its range (">= 1"; what a special value
+    means in brackets) or its choices (a tuple); `resume` "same" where a resume must keep it (it
+    changes the trained numbers: runtime/checkpoints.py); `shown`, the run header's row that
+    shows it (runtime/report.py). A group's leaves declare their ranges; the group, the rest."""
+    value = {"default_factory": default} if default is dict else {"default": default}
+    return dataclasses.field(**value, metadata={"allowed": allowed, "resume": resume,
+                                                "shown": shown})
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with linear warmup, cosine decay to min_lr_ratio * lr, and global-norm clipping."""
-    lr: float = 3e-4
-    warmup_steps: int = 2
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    lr: float = setting(3e-4, "> 0")
+    warmup_steps: int = setting(2, ">= 0")
+    min_lr_ratio: float = setting(0.1, "in [0, 1]")
+    b1: float = setting(0.9, "in [0, 1)")
+    b2: float = setting(0.95, "in [0, 1)")
+    weight_decay: float = setting(0.1, ">= 0")
+    clip_norm: float = setting(1.0, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards
-    x `expert` shards, the innermost (trainer/program.py's make_mesh). Weights are sharded over
+    x `expert` shards, the innermost (trainer/program.py's mesh_of). Weights are sharded over
     fsdp x expert, except the routed experts: split over `expert` (E/expert each) and sharded
     over `fsdp`; tokens over all three. fsdp=-1 takes all the devices the others leave."""
-    data: int = 1
-    fsdp: int = -1
-    expert: int = 1
+    data: int = setting(1, ">= 1")
+    fsdp: int = setting(-1, "-1 or >= 1 (-1: all the devices the other axes leave)")
+    expert: int = setting(1, ">= 1")
 
     def shape(self, n_devices: int) -> tuple[int, int, int]:
         rest = n_devices // (self.data * self.expert) if self.data * self.expert > 0 else 0
@@ -64,55 +75,68 @@ class DataConfig:
     """Synthetic tokens when `path` is empty; else a folder `python train.py prepare` wrote, or
     a flat token file (.bin, as nanoGPT writes; data/tokens.py)."""
     path: str = ""
-    dtype: str = "auto"  # a prepared folder's own (meta.json); uint16 for a bare file
+    # A prepared folder's own (meta.json); uint16 for a bare file.
+    dtype: str = setting("auto", ("auto", "uint16", "uint32"))
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    per_device_batch: int = 2
-    global_batch: int = 0  # 0: per_device_batch x devices
-    seq: int = 8192
-    steps: int = 10
-    optimizer: OptimizerConfig = OptimizerConfig()
-    compute_dtype: str = "bfloat16"  # activations and matmuls; weights are cast per layer
-    param_dtype: str = "float32"  # master weights and optimizer state
-    optimizer_state: str = "device"  # or host: the AdamW moments (offload/optimizer_state.py)
-    mesh: MeshConfig = MeshConfig()
-    preset: str = "remat"  # a named placement (offload/activations.py), none: no checkpointing
+    per_device_batch: int = setting(2, ">= 1", shown="batch")
+    global_batch: int = setting(0, ">= 0 (0: per_device_batch x devices)", shown="batch")
+    seq: int = setting(8192, ">= 1", resume="same", shown="batch")
+    steps: int = setting(10, ">= 1", resume="same", shown="batch")
+    optimizer: OptimizerConfig = setting(OptimizerConfig(), resume="same", shown="optimizer")
+    # Activations and matmuls; weights are cast per layer.
+    compute_dtype: str = setting("bfloat16", DTYPES, resume="same", shown="dtypes")
+    param_dtype: str = setting("float32", ("float32", "bfloat16"), resume="same",
+                               shown="dtypes")  # master weights and optimizer state
+    # The AdamW moments on the device or in host memory (offload/optimizer_state.py).
+    optimizer_state: str = setting("device", ("device", "host"), shown="placement")
+    mesh: MeshConfig = setting(MeshConfig(), shown="devices")
+    # A named placement (offload/activations.py); none: no checkpointing.
+    preset: str = setting("remat", shown="placement")
     # placement.<tag>=device|offload|remat (or .<scan>.<tag>), over the preset
-    placement: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    xla_flags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GPU only
-    quant: str = "none"  # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
-    quant_tiles: str = "16x16"  # weight block scales per 16x16 tile (TE's recipe) or 1x16 block
+    placement: Mapping[str, str] = setting(dict, shown="placement")
+    xla_flags: Mapping[str, str] = setting(dict, shown="xla flags")  # GPU only
+    # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
+    quant: str = setting("none", ("none", "nvfp4"), resume="same", shown="kernels")
+    # Weight block scales per 16x16 tile (TE's recipe) or 1x16 block.
+    quant_tiles: str = setting("16x16", ("16x16", "1x16"), resume="same", shown="kernels")
     # fp4: Dgrad and Wgrad in NVFP4 too (TE's recipe); bf16: the forward only (JAX's own).
-    quant_backward: str = "fp4"
-    data: DataConfig = DataConfig()
+    quant_backward: str = setting("fp4", ("fp4", "bf16"), resume="same", shown="kernels")
+    data: DataConfig = setting(DataConfig(), resume="same", shown="data")
     # The mean loss over eval_batches fixed batches of windows of the val split, every
-    # eval_every steps and after the last (0: never; docs/data.md).
-    eval_every: int = 0
-    eval_batches: int = 8
-    seed: int = 0
-    scale: str = "auto"
-    init_from: str = ""  # a Hugging Face checkpoint directory of the experiment's family
-    out_dir: str = "runs"
+    # eval_every steps and after the last (docs/data.md).
+    eval_every: int = setting(0, ">= 0 (0: never)", shown="data")
+    eval_batches: int = setting(8, ">= 1", shown="data")
+    seed: int = setting(0, "in [0, 2**63) (numpy's seeds)", resume="same", shown="data")
+    scale: str = setting("auto", SCALES, shown="scale")
+    # A Hugging Face checkpoint directory of the experiment's family.
+    init_from: str = setting("", shown="model")
+    out_dir: str = setting("runs", shown="output")
     # Checkpoints (runtime/checkpoints.py): every N steps and at the end (0: only when stopped by
     # SIGTERM or Ctrl-C), into checkpoint_dir (empty: <run folder>/checkpoints), the newest
     # `keep` kept. resume=latest | a run folder | a checkpoint directory | one step folder.
-    checkpoint_every: int = 500
-    checkpoint_dir: str = ""
-    keep: int = 3
-    resume: str = ""
-    profile: bool = False
-    tensorboard: bool = False  # the step and eval metrics also as TensorBoard scalars
-    attention: str = "auto"  # cudnn (fused, GPUs, bf16) | xla | auto
-    # MoE models only:
-    expert_path: str = "auto"  # sorted (grouped GEMMs) | dense (every expert) | auto
+    checkpoint_every: int = setting(500, ">= 0 (0: only when stopped by a signal)",
+                                    shown="checkpoints")
+    checkpoint_dir: str = setting("", shown="checkpoints")
+    keep: int = setting(3, ">= 1", shown="checkpoints")
+    resume: str = setting("", shown="checkpoints")
+    profile: bool = setting(False, shown="output")
+    # The step and eval metrics also as TensorBoard scalars (an optional extra).
+    tensorboard: bool = setting(False, shown="output")
+    attention: str = setting("auto", ("auto", "cudnn", "xla"), shown="kernels")  # cudnn: GPUs
+    # MoE models only: sorted (grouped GEMMs) | dense (every expert) | auto.
+    expert_path: str = setting("auto", ("auto", "sorted", "dense"), shown="kernels")
     # With mesh.expert > 1, rows a device may send each expert, as a multiple of the balanced
     # share (0: room for the worst case, dropless); pairs beyond it are dropped, and counted.
-    expert_capacity: float = 0.0
-    loss_chunks: int = 1  # the loss in sequence chunks, logits recomputed (trainer/step.py)
-    router_bias_rate: float = 0.001  # aux-loss-free balancing step (DeepSeek-V3's gamma)
-    balance_loss_weight: float = 0.0  # sequence-wise balance loss (DeepSeek-V3: 0.0001)
+    expert_capacity: float = setting(0.0, ">= 0 (0: dropless)", resume="same", shown="kernels")
+    # The loss in sequence chunks, logits recomputed (trainer/step.py).
+    loss_chunks: int = setting(1, ">= 1", shown="kernels")
+    # DeepSeek-V3's aux-loss-free balancing step (its gamma), and its sequence-wise balance
+    # loss (0.0001 there).
+    router_bias_rate: float = setting(0.001, ">= 0", resume="same", shown="optimizer")
+    balance_loss_weight: float = setting(0.0, ">= 0", resume="same", shown="optimizer")
 
     def batch(self, n_devices: int) -> int:
         return self.global_batch or self.per_device_batch * n_devices
@@ -224,32 +248,24 @@ def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, 
     return model, run
 
 
-# Every numeric field of the run and model configs -> the values it may take (what a special
-# value means in brackets); one out of its range is one line: `router_bias_rate=-0.01 must be >= 0`.
+def declared(cls=None, prefix: str = "", group=None):
+    """(dotted key, its declaration) of every leaf setting of the run config; a group's leaves
+    take the group's resume rule and row."""
+    for f in dataclasses.fields(cls or RunConfig):
+        meta = {"allowed": None, **f.metadata, **({k: group[k] for k in ("resume", "shown")}
+                                                  if group else {})}
+        if dataclasses.is_dataclass(f.default):
+            yield from declared(type(f.default), f"{prefix}{f.name}.", meta)
+        else:
+            yield prefix + f.name, meta
+
+
+# Every numeric field of the run (from its declaration) and of the model configs -> the values
+# it may take (what a special value means in brackets); one out of its range is one line:
+# `router_bias_rate=-0.01 must be >= 0`. Every choice field of the run -> its choices.
+CHOICES = {key: m["allowed"] for key, m in declared() if isinstance(m.get("allowed"), tuple)}
 RANGES = {
-    "per_device_batch": ">= 1",
-    "global_batch": ">= 0 (0: per_device_batch x devices)",
-    "seq": ">= 1",
-    "steps": ">= 1",
-    "seed": "in [0, 2**63) (numpy's seeds)",
-    "checkpoint_every": ">= 0 (0: only when stopped by a signal)",
-    "keep": ">= 1",
-    "eval_every": ">= 0 (0: never)",
-    "eval_batches": ">= 1",
-    "expert_capacity": ">= 0 (0: dropless)",
-    "loss_chunks": ">= 1",
-    "router_bias_rate": ">= 0",
-    "balance_loss_weight": ">= 0",
-    "optimizer.lr": "> 0",
-    "optimizer.warmup_steps": ">= 0",
-    "optimizer.min_lr_ratio": "in [0, 1]",
-    "optimizer.b1": "in [0, 1)",
-    "optimizer.b2": "in [0, 1)",
-    "optimizer.weight_decay": ">= 0",
-    "optimizer.clip_norm": "> 0",
-    "mesh.data": ">= 1",
-    "mesh.fsdp": "-1 or >= 1 (-1: all the devices the other axes leave)",
-    "mesh.expert": ">= 1",
+    **{key: m["allowed"] for key, m in declared() if isinstance(m.get("allowed"), str)},
     **{f"model.{name}": "> 0" for name in (
         "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
         "rope_theta", "max_position", "norm_eps", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim",
@@ -273,15 +289,20 @@ _RULES = {
 }
 
 
+def _value(config, key: str):
+    """The field at a dotted key (None where the config has no such field)."""
+    for name in key.split("."):
+        config = getattr(config, name, None)
+    return config
+
+
 def out_of_range(model: ModelConfig, run: RunConfig, said=()) -> list[str]:
     """A line for each field of RANGES out of its range (a field of the other model family,
     or one set to None, has none), unless a line of `said` names it or its group."""
     found = []
     for key, allowed in RANGES.items():
         path = key.split(".")
-        value = model if path[0] == "model" else run
-        for name in path[1:] if path[0] == "model" else path:
-            value = getattr(value, name, None)
+        value = _value(model, key[6:]) if path[0] == "model" else _value(run, key)
         if value is None or _RULES[allowed.partition(" (")[0]](value):
             continue
         names = [".".join(path[:n]) for n in range(min(2, len(path)), len(path) + 1)]
@@ -298,15 +319,9 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     data, fsdp, expert = mesh.shape(n_devices)
     experts = _expert_problems(model, run, fsdp)
     found += out_of_range(model, run, found + experts)
-    choices = {"compute_dtype": DTYPES, "param_dtype": ("float32", "bfloat16"), "scale": SCALES,
-               "quant": ("none", "nvfp4"), "quant_tiles": ("16x16", "1x16"),
-               "quant_backward": ("fp4", "bf16"),
-               "expert_path": ("auto", "sorted", "dense"), "attention": ("auto", "cudnn", "xla"),
-               "optimizer_state": ("device", "host")}
-    found += [f"{k}={getattr(run, k)!r}: choose one of {', '.join(v)}"
-              for k, v in choices.items() if getattr(run, k) not in v]
-    if run.data.dtype not in ("auto", "uint16", "uint32"):
-        found.append(f"data.dtype={run.data.dtype!r}: choose auto, uint16 or uint32")
+    for key, choices in CHOICES.items():
+        if (value := _value(run, key)) not in choices:
+            found.append(f"{key}={value!r}: choose one of {', '.join(choices)}")
     if run.loss_chunks >= 1 and run.seq % run.loss_chunks:
         found.append(f"seq={run.seq} is not divisible into loss_chunks={run.loss_chunks}")
     fp4_backward = run.quant == "nvfp4" and run.quant_backward == "fp4"

@@ -34,7 +34,7 @@ class SyntheticTokens:
         return rng.integers(0, self.vocab, (batch, seq + 1), dtype=np.int32)
 
     def describe(self) -> str:
-        return f"synthetic uniform tokens, seed {self.seed}"
+        return "synthetic uniform tokens"
 
 
 class TokenFile:

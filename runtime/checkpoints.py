@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from configs import ConfigError
+from configs import ConfigError, RunConfig
 from hf.config import from_hf, to_hf
 from hf.save import DTYPES, write_checkpoint
 from model import families
@@ -34,11 +34,10 @@ ocp.type_handlers.register_type_handler(
     jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
 _absl.setLevel(_level)
 
-# Settings that change the trained numbers: a resume must match them. The rest (placement,
-# mesh and device count, kernels, XLA flags, output, profiling) may change between runs.
-_SAME_ON_RESUME = ("seq", "steps", "optimizer", "compute_dtype", "param_dtype", "quant",
-                   "quant_tiles", "quant_backward", "data", "seed", "expert_capacity",
-                   "router_bias_rate", "balance_loss_weight")
+# Settings that change the trained numbers (declared resume="same", configs/__init__.py): a
+# resume must match them. The rest (placement, mesh and device count, kernels, XLA flags,
+# evaluation, output, profiling) may change between runs.
+_SAME_ON_RESUME = [f.name for f in dataclasses.fields(RunConfig) if f.metadata["resume"] == "same"]
 
 
 class CheckpointNotFound(ConfigError):

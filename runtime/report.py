@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import resource
 import statistics
 import time
@@ -17,42 +16,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import configs
-from model import families
-from model.config import LlamaConfig
-from model.params import param_count
-from runtime import backend, own_program
-from runtime.own_program import GiB, CompiledMemory
+from runtime import header, own_program
+from runtime.own_program import GiB
 
 
 def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GiB:.2f} GiB"
-
-
-def model_line(cfg) -> str:
-    count = param_count(families.of(cfg).param_specs(cfg))
-    if isinstance(cfg, LlamaConfig):
-        shape = (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
-                 f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}")
-    else:
-        shape = (f"L={cfg.n_dense_layers}+{cfg.n_moe_layers} D={cfg.d_model} N={cfg.n_heads} "
-                 f"E={cfg.n_experts} (k={cfg.experts_per_token}) F={cfg.d_ff}/{cfg.moe_d_ff} "
-                 f"V={cfg.vocab}")
-    return f"{shape}: {count:,} parameters"
-
-
-def _placement_line(preset: str, tables: dict | None) -> str:
-    if tables is None:
-        return "none: no checkpointing, autodiff keeps every residual on device"
-    return f"{preset}: " + "; ".join(
-        f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
-        for scan, table in tables.items()) + "; all else remat"
-
-
-def flags_line(run, target) -> str:
-    flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
-    if target.platform != "gpu":
-        return f"{flags} [NOT applied: {target.platform} backend, GPU only]"
-    return f"{flags} [applied]; XLA_FLAGS (every compile): {os.environ.get('XLA_FLAGS', '')}"
 
 
 def new_run_dir(root: str, name: str) -> Path:
@@ -75,6 +44,11 @@ class RunDir:
         self.main = jax.process_index() == 0
 
     @classmethod
+    def at(cls, path: Path, run) -> "RunDir":
+        """The folder `path` of a run: its checkpoints in checkpoint_dir, else inside it."""
+        return cls(path, Path(run.checkpoint_dir or path / "checkpoints"))
+
+    @classmethod
     def create(cls, setup) -> "RunDir":
         name = f"{setup.experiment.name}-{setup.scale}"
         path = new_run_dir(setup.run.out_dir, name) if jax.process_index() == 0 else None
@@ -82,7 +56,7 @@ class RunDir:
             encoded = np.frombuffer(str(path or "").encode().ljust(1024, b"\0"), np.uint8)
             text = multihost_utils.broadcast_one_to_all(encoded)
             path = Path(bytes(np.asarray(text)).rstrip(b"\0").decode())
-        return cls(path, Path(setup.run.checkpoint_dir or path / "checkpoints"))
+        return cls.at(path, setup.run)
 
     def write(self, name: str, record: dict) -> None:
         if self.main:
@@ -97,93 +71,6 @@ class RunDir:
 def say(text: str = "") -> None:
     if jax.process_index() == 0:
         print(text, flush=True)
-
-
-def training_flops(model, program) -> float:
-    """Model FLOPs of one step per device (MaxText's formula: model/llama.py, deepseek.py)."""
-    devices = len(program.target.devices)
-    return families.of(model).training_flops(model, program.batch_size / devices,
-                                             program.run.seq)
-
-
-def _memory_words(program) -> str:
-    """What the compiled program holds per device, against the pool where there is one."""
-    compiled, target = CompiledMemory.of(program.step), program.target
-    words = f"{compiled.device / GiB:.2f} GiB per device"
-    if pool := target.pool_bytes():
-        fraction, variable = backend.memory_fraction()
-        words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
-    return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
-                    if target.platform == "gpu" else "")
-
-
-def print_header(setup, program, run_dir: RunDir, flops: float, first_step: int) -> None:
-    """The run header as (key, value) rows, then where each offloaded activation lives."""
-    run, full, target, batch_size = setup.run, setup.experiment, program.target, program.batch_size
-    own = full.model == full.proxy_model  # an experiment at one size (shakespeare)
-    scale = ("FULL -- the experiment's model and run settings" if setup.scale == "full" else
-             "PROXY -- its own model, with CPU settings" if own else
-             "PROXY -- a small model of the same family, not the study's numbers")
-    compute = run.compute_dtype
-    if setup.scale == "proxy" and compute != full.run.compute_dtype:
-        compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
-    rows = [
-        ("experiment", f"{full.name}: {full.summary}"),
-        ("scale", f"{scale}\n{'':12}({setup.scale_reason})"),
-        ("model", model_line(setup.model) + (f" from {run.init_from}" if run.init_from else "")),
-        *([] if own else [("full scale", f"{model_line(full.model)}; its memory plan and GPU "
-                                         f"program: python -m study plan|compile {full.name}")]),
-        ("devices", f"{target.description}, mesh {dict(program.mesh.shape)}"),
-        ("batch", f"{batch_size} sequences x {run.seq} tokens "
-                  f"({batch_size / len(target.devices):g} per device)"),
-        ("dtypes", f"params {run.param_dtype}, compute {compute}; "
-                   "softmax, norms and loss float32"),
-        ("kernels", program.options.describe()),
-        ("placement", _placement_line(run.preset, setup.placement)),
-        ("xla flags", flags_line(run, target)),
-        ("memory", _memory_words(program)),
-        ("data", _data_words(setup, batch_size)),
-        ("checkpoints", _checkpoint_words(setup, run_dir, first_step)),
-        ("compile", f"{program.compile_s:.1f} s (the step" + (" and the evaluation"
-                    if run.eval_every else "") + f"); model {flops / 1e12:,.2f} TFLOP per "
-                    "device per step (MaxText's formula)"),
-        ("output", str(run_dir.path)),
-    ]
-    say("=" * 100)
-    for key, value in rows:
-        say(f"{key:<11} {value}")
-    if offloaded := own_program.offloaded(program.traced.jaxpr):
-        hlo = program.step.as_text() if target.platform == "gpu" else None
-        say("-" * 100)
-        say("offloaded, per layer and device, in this run's compiled program:")
-        say("\n".join(own_program.placement_lines(offloaded, hlo)))
-    say("=" * 100)
-
-
-def _data_words(setup, batch_size: int) -> str:
-    run, data = setup.run, setup.data
-    words = data.describe()
-    if data.unigram_entropy is not None:
-        words += (f"\n{'':12}unigram entropy {data.unigram_entropy:.4f} nats/token (the loss of a "
-                  "model that ignores the context)")
-    if run.eval_every:
-        words += (f"\n{'':12}evaluated every {run.eval_every} steps and after the last: the mean "
-                  f"loss over {run.eval_batches} x {batch_size} windows of val.bin spread evenly "
-                  f"over its {len(data.val.tokens):,} tokens, the same each time")
-    if run.tensorboard:
-        words += f"\n{'':12}metrics also as TensorBoard scalars (tensorboard/)"
-    return words
-
-
-def _checkpoint_words(setup, run_dir: RunDir, first_step: int) -> str:
-    run, resume = setup.run, setup.resume
-    every = (f"every {run.checkpoint_every} steps and at the end, the newest {run.keep} kept"
-             if run.checkpoint_every else "off")
-    words = f"{every}; on SIGTERM or Ctrl-C at the next step boundary; {run_dir.checkpoints}"
-    if resume is not None:
-        words += (f"\n{'':12}resumed from {resume.directory} at step {first_step - 1} "
-                  "(data continues: batches are a function of (seed, step))")
-    return words
 
 
 def checkpoint_line(setup, run_dir: RunDir, path: Path, stopped_by) -> str:
@@ -221,7 +108,7 @@ class StepLog:
 
     def __init__(self, setup, program, run_dir: RunDir, first_step: int):
         self.run, self.program, self.run_dir = setup.run, program, run_dir
-        self.flops = training_flops(setup.model, program)
+        self.flops = header.training_flops(setup.model, program)
         self.tokens, self.first_step = program.batch_size * setup.run.seq, first_step
         self.host_planned = sum(v.nbytes * v.count for sites in own_program.offloaded(
             program.traced.jaxpr).values() for v in sites)
@@ -244,7 +131,8 @@ class StepLog:
             "experiment": setup.experiment.name, "scale": setup.scale,
             "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
             "placement": setup.placement})
-        print_header(setup, program, run_dir, training_flops(setup.model, program), first_step)
+        flops = header.training_flops(setup.model, program)
+        say("\n".join(header.lines(setup, program, run_dir, flops, first_step)))
         return cls(setup, program, run_dir, first_step)
 
     def starting(self, step: int) -> None:

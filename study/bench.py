@@ -24,7 +24,7 @@ from model.options import ForwardOptions
 from model.params import init_params
 from model.sharding import AxisRules, make_mesh
 from offload import activations
-from runtime import report
+from runtime import header
 from trainer import program
 from trainer import step as trainer_step
 from trainer import target as trainer_target
@@ -83,7 +83,7 @@ def step_time(model, run, preset: str, repeats: int) -> float:
 def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
     experiment = configs.get(name)
     model, run = configs.apply_overrides(*experiment.at_scale("proxy"), overrides)
-    print(f"\n{name} proxy: {report.model_line(model)}; batch {run.per_device_batch} x "
+    print(f"\n{name} proxy: {header.model_line(model)}; batch {run.per_device_batch} x "
           f"{run.seq}, compute {run.compute_dtype}, quant {run.quant}, "
           f"1 {jax.default_backend()} device; median of {repeats} steps")
     flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)

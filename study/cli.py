@@ -6,7 +6,7 @@ import time
 
 import jax
 
-from runtime import checkpoints, report
+from runtime import checkpoints, header, report
 from runtime.setup import Setup, resolve
 from study import plan as plans, predicted, search_report
 from study.compile_only import DEVICELESS, compile_only
@@ -48,9 +48,9 @@ def compile(name: str, args: list[str]) -> None:
     run, target = setup.run, row.program.target
     print(f"compiled: {name} at full scale for {target.description}, compile-only, "
           f"topology {gpu.topology(len(target.devices))}, mesh {dict(row.mesh.shape)}, "
-          f"{report.model_line(setup.model)}; in {row.program.compile_s:.1f} s")
+          f"{header.model_line(setup.model)}; in {row.program.compile_s:.1f} s")
     deviceless = " ".join(f"{k}={v}" for k, v in DEVICELESS.items())
-    print(f"xla flags: {report.flags_line(run, target)} (compile-only devices also set "
+    print(f"xla flags: {header.flags_line(run, target)} (compile-only devices also set "
           f"{deviceless}: study/compile_only.py); kernels: {row.program.options.describe()}")
     print("\n".join(plans.plan_lines(name, run, gpu, row.full_plan)))
     compiled = row.compiled_memory()

@@ -27,7 +27,7 @@ from configs import PIPELINED
 from model.config import DeepSeekConfig
 from model.layers import causal_attention
 from offload import optimizer_state
-from runtime import backend, own_program, report
+from runtime import backend, header, own_program, report
 from runtime import setup as runtime_setup
 from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
 from test_invariances import NEVER_NEEDED
@@ -294,7 +294,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     setup = row.setup
     # A real H200's pool (XLA's allocator limit) is what study/compile_only.py plans against.
     monkeypatch.setattr(CompileOnly, "pool_bytes", lambda self: pool_bytes(GPUS["h200"]))
-    report.print_header(setup, built, report.RunDir(tmp_path, tmp_path / "ckpt"), 1e12, 1)
+    print("\n".join(header.lines(setup, built, report.RunDir(tmp_path, tmp_path / "ckpt"),
+                                  1e12, 1)))
     out = capsys.readouterr().out
     assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out

@@ -1,0 +1,160 @@
+"""The run header: a row per part of the run, each run setting in the row its declaration
+names (configs/__init__.py: `setting(shown=...)`), then where each offloaded activation lives
+in the run's compiled program."""
+
+import os
+
+from configs import MESH_AXES
+from model import families
+from model.config import LlamaConfig
+from model.params import param_count
+from runtime import backend, own_program
+from runtime.own_program import GiB, CompiledMemory
+
+ROWS = ("experiment", "scale", "model", "full scale", "devices", "batch", "optimizer", "dtypes",
+        "kernels", "placement", "xla flags", "memory", "data", "checkpoints", "compile", "output")
+_INDENT = "\n" + " " * 12  # a row's next line
+
+
+def model_line(cfg) -> str:
+    count = param_count(families.of(cfg).param_specs(cfg))
+    if isinstance(cfg, LlamaConfig):
+        shape = (f"L={cfg.n_layers} D={cfg.d_model} N={cfg.n_heads} K={cfg.n_kv_heads} "
+                 f"H={cfg.head_dim} F={cfg.d_ff} V={cfg.vocab}")
+    else:
+        shape = (f"L={cfg.n_dense_layers}+{cfg.n_moe_layers} D={cfg.d_model} N={cfg.n_heads} "
+                 f"E={cfg.n_experts} (k={cfg.experts_per_token}) F={cfg.d_ff}/{cfg.moe_d_ff} "
+                 f"V={cfg.vocab}")
+    return f"{shape}: {count:,} parameters"
+
+
+def flags_line(run, target) -> str:
+    flags = " ".join(f"--{k}={v}" for k, v in run.xla_flags.items()) or "(none)"
+    if target.platform != "gpu":
+        return f"{flags} [NOT applied: {target.platform} backend, GPU only]"
+    return f"{flags} [applied]; XLA_FLAGS (every compile): {os.environ.get('XLA_FLAGS', '')}"
+
+
+def training_flops(model, program) -> float:
+    """Model FLOPs of one step per device (MaxText's formula: model/llama.py, deepseek.py)."""
+    devices = len(program.target.devices)
+    return families.of(model).training_flops(model, program.batch_size / devices,
+                                             program.run.seq)
+
+
+def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str, str]:
+    """Every row but the compiled program's (memory, compile): what the settings say."""
+    run, full = setup.run, setup.experiment
+    devices = len(target.devices)
+    own = full.model == full.proxy_model  # an experiment at one size (shakespeare)
+    scale = ("FULL -- the experiment's model and run settings" if setup.scale == "full" else
+             "PROXY -- its own model, with CPU settings" if own else
+             "PROXY -- a small model of the same family, not the study's numbers")
+    compute = run.compute_dtype
+    if setup.scale == "proxy" and compute != full.run.compute_dtype:
+        compute += f" (proxy setting for CPUs; full scale computes {full.run.compute_dtype})"
+    batch = run.batch(devices)
+    rows = {
+        "experiment": f"{full.name}: {full.summary}",
+        "scale": f"{scale}{_INDENT}(scale={run.scale}: {setup.scale_reason})",
+        "model": model_line(setup.model) + (f" from {run.init_from}" if run.init_from else ""),
+        "full scale": "" if own else (f"{model_line(full.model)}; its memory plan and GPU "
+                                      f"program: python -m study plan|compile {full.name}"),
+        "devices": f"{target.description}, mesh "
+                   f"{dict(zip(MESH_AXES, run.mesh.shape(devices)))}",
+        "batch": f"{batch} sequences x {run.seq} tokens ({batch / devices:g} per device; "
+                 f"per_device_batch={run.per_device_batch}, global_batch={run.global_batch}), "
+                 f"{run.steps} steps",
+        "optimizer": _optimizer_words(setup),
+        "dtypes": f"params {run.param_dtype}, compute {compute}; softmax, norms and loss float32",
+        "kernels": f"{options.describe()}, the loss in {run.loss_chunks} chunk(s)",
+        "placement": _placement_words(setup),
+        "xla flags": flags_line(run, target),
+        "data": _data_words(setup, batch),
+        "checkpoints": _checkpoint_words(setup, run_dir, first_step),
+        "output": _output_words(setup, run_dir),
+    }
+    return {k: v for k, v in rows.items() if v}
+
+
+def _optimizer_words(setup) -> str:
+    o, run = setup.run.optimizer, setup.run
+    words = (f"AdamW lr {o.lr:g} after {o.warmup_steps} warm-up steps, cosine to "
+             f"{o.min_lr_ratio:g}x; b1 {o.b1:g}, b2 {o.b2:g}, weight decay {o.weight_decay:g}; "
+             f"gradients clipped to norm {o.clip_norm:g}")
+    if hasattr(setup.model, "n_experts"):
+        words += (f"; router bias rate {run.router_bias_rate:g}, balance loss weight "
+                  f"{run.balance_loss_weight:g}")
+    return words
+
+
+def _placement_words(setup) -> str:
+    run, tables = setup.run, setup.placement
+    state = f"; optimizer state on {run.optimizer_state}"
+    if tables is None:
+        return "none: no checkpointing, autodiff keeps every residual on device" + state
+    changes = ", ".join(f"{k}={v}" for k, v in run.placement.items())
+    return (f"{run.preset}{f' with {changes}' if changes else ''}: " + "; ".join(
+        f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
+        for scan, table in tables.items()) + "; all else remat" + state)
+
+
+def _data_words(setup, batch_size: int) -> str:
+    run, data = setup.run, setup.data
+    words = f"{data.describe()}; seed {run.seed}"
+    if data.unigram_entropy is not None:
+        words += (f"{_INDENT}unigram entropy {data.unigram_entropy:.4f} nats/token (the loss of "
+                  "a model that ignores the context)")
+    if run.eval_every:
+        words += (f"{_INDENT}evaluated every {run.eval_every} steps and after the last: the mean "
+                  f"loss over {run.eval_batches} x {batch_size} windows of val.bin spread evenly "
+                  f"over its {len(data.val.tokens):,} tokens, the same each time")
+    return words
+
+
+def _checkpoint_words(setup, run_dir, first_step: int) -> str:
+    run, resume = setup.run, setup.resume
+    every = (f"every {run.checkpoint_every} steps and at the end, the newest {run.keep} kept"
+             if run.checkpoint_every else "off")
+    words = f"{every}; on SIGTERM or Ctrl-C at the next step boundary; {run_dir.checkpoints}"
+    if run.resume:
+        words += (f"{_INDENT}resume={run.resume}: from "
+                  f"{resume.directory if resume else '?'} at step {first_step - 1} "
+                  "(data continues: batches are a function of (seed, step))")
+    return words
+
+
+def _output_words(setup, run_dir) -> str:
+    words = str(run_dir.path)
+    if setup.run.tensorboard:
+        words += "; metrics also as TensorBoard scalars in tensorboard/"
+    if setup.run.profile:
+        words += "; a profile of steps 2-4 in profile/"
+    return words
+
+
+def _memory_words(program) -> str:
+    """What the compiled program holds per device, against the pool where there is one."""
+    compiled, target = CompiledMemory.of(program.step), program.target
+    words = f"{compiled.device / GiB:.2f} GiB per device"
+    if pool := target.pool_bytes():
+        fraction, variable = backend.memory_fraction()
+        words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
+    return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
+                    if target.platform == "gpu" else "")
+
+
+def lines(setup, program, run_dir, flops: float, first_step: int) -> list[str]:
+    """The header (the program compiled), then where each offloaded activation lives."""
+    rows = settings_rows(setup, program.target, program.options, run_dir, first_step)
+    rows["memory"] = _memory_words(program)
+    rows["compile"] = (f"{program.compile_s:.1f} s (the step"
+                       + (" and the evaluation" if setup.run.eval_every else "")
+                       + f"); model {flops / 1e12:,.2f} TFLOP per device per step "
+                       "(MaxText's formula)")
+    out = ["=" * 100, *(f"{key:<11} {rows[key]}" for key in ROWS if key in rows)]
+    if offloaded := own_program.offloaded(program.traced.jaxpr):
+        hlo = program.step.as_text() if program.target.platform == "gpu" else None
+        out += ["-" * 100, "offloaded, per layer and device, in this run's compiled program:",
+                *own_program.placement_lines(offloaded, hlo)]
+    return [*out, "=" * 100]
