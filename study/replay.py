@@ -120,26 +120,29 @@ class Costs:
         return Work(nbytes / rate, stream)
 
     def _collective(self, ins, kind, size) -> Work:
+        """The slowest of its groups: one that straddles a domain boundary crosses the NICs
+        where the others stay on NVLink, and the step waits for it."""
+        groups = hlo.replica_groups(hlo.wrapped(self.module, ins), self.devices)
+        if len(groups[0]) <= 1:
+            return Work(0.0, "collectives")
+        spans = {(len(g), len({device // self.domain for device in g})) for g in groups}
+        seconds = max(self._group_seconds(kind, size, n, d) for n, d in spans)
+        return Work(self.gpu.collective_latency + seconds, "collectives")
+
+    def _group_seconds(self, kind, size, n: int, d: int) -> float:
         """Ring bytes per GPU: an all-gather's output (a reduce-scatter's input) S over n GPUs in d
         NVLink domains of m: (d-1)/d * S/m over the NICs, then (m-1)/m * S over NVLink; all-reduce:
         both; all-to-all: (m-1)/n of S over NVLink and (n-m)/n over the NICs at once."""
-        group = hlo.replica_groups(hlo.wrapped(self.module, ins), self.devices)[0]
-        n = len(group)
-        if n <= 1:
-            return Work(0.0, "collectives")
-        d = len({device // self.domain for device in group})
         m = n // d
         nvlink, network = self.gpu.nvlink, self.gpu.network
         ring = (m - 1) / m * size / nvlink + (d - 1) / d * size / m / network
         if kind == "all-reduce":
-            seconds = 2 * ring
-        elif kind in ("all-to-all", "ragged-all-to-all"):
-            seconds = max((m - 1) / n * size / nvlink, (n - m) / n * size / network)
-        elif kind == "collective-permute":
-            seconds = size / (network if d > 1 else nvlink)
-        else:
-            seconds = ring
-        return Work(self.gpu.collective_latency + seconds, "collectives")
+            return 2 * ring
+        if kind in ("all-to-all", "ragged-all-to-all"):
+            return max((m - 1) / n * size / nvlink, (n - m) / n * size / network)
+        if kind == "collective-permute":
+            return size / (network if d > 1 else nvlink)
+        return ring
 
     def _fusion_bytes(self, comp, ins, body: hlo.Computation) -> float:
         """HBM bytes of a fusion: operands as read (of a stacked buffer the slice it takes; nothing

@@ -15,6 +15,7 @@ compute and host copies behind the compute around their tags (`_host_stall`). Ex
 all-to-alls feed the GEMMs after them: always exposed."""
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -74,16 +75,22 @@ class Hardware:
     network: float = 0.0  # bytes/s each way per GPU between NVLink domains
     domain: int = 0  # GPUs per NVLink domain (study/gpus.py: Gpu.domain_size); 0: all
 
+    @functools.cache  # asked once per scan of every candidate
     def all_to_all_s(self, group: int) -> float:
-        """Seconds per byte of an all-to-all over `group` consecutive devices: NVLink within
-        one domain, the NICs at once for the rest (as study/replay.py costs it)."""
+        """Seconds per byte of an all-to-all over groups of `group` consecutive devices, the
+        slowest group's: NVLink within one domain, the NICs at once for the rest (as
+        study/replay.py costs it). A group narrower than a domain may still straddle two."""
         if group <= 1:
             return 0.0
-        inside = min(group, self.domain or group)
-        if group > inside and not self.network:
+        devices = max(group, self.devices)
+        domain = self.domain or devices  # 0: all in one
+        spans = {(first + group - 1) // domain - first // domain + 1
+                 for first in range(0, devices, group)}  # the domains each group touches
+        if max(spans) > 1 and not self.network:
             return float("inf")  # a group that leaves its domain, with no NIC figure
-        leaving = (group - inside) / group / self.network if group > inside else 0.0
-        return max((inside - 1) / group / self.nvlink, leaving)
+        return max(max((group // d - 1) / group / self.nvlink,
+                       (group - group // d) / group / self.network if d > 1 else 0.0)
+                   for d in spans)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from study import addressing, memory, offload_proof
 from study.jaxpr import Tagged
 from tools import offload_probe
 from runtime import setup as runtime_setup
+from runtime.own_program import CompiledMemory
 from trainer.target import Target
 
 FIXTURES = offload_probe.FIXTURES
@@ -309,6 +310,36 @@ def _reads_walking_forward(policy, weights, x):
     another layer would give it: the layers' gradients in the wrong order."""
     got = runtime_setup._probe_gradient(None, weights, x)
     return got if policy is None else got[::-1]
+
+
+def test_the_probes_offloading_program_keeps_its_value_in_host_memory():
+    """Guards the class: a check that compares a thing with itself (the probe's offloading
+    program keeping its tag on the device, so that host_reads_in_order compares a device
+    gradient with a device gradient and passes on any jax), visible only in a GPU program
+    (CPUs keep host placements on the device). The probe's own gradient with each policy
+    host_reads_in_order gives it, compiled for one compile-only H200: offloading, its tag of
+    every layer ([layers, 8, 128] f32, 4 x 4 KiB) is one stacked buffer in host memory, read
+    back in reverse layer order, and all the compiled program's host bytes; kept, nothing is
+    in host memory."""
+    given = []
+
+    def recorded(policy, weights, x):
+        given.append((policy, jax.typeof(weights).shape, jax.typeof(x).shape))
+        return runtime_setup._probe_gradient(policy, weights, x)
+
+    assert runtime_setup.host_reads_in_order(recorded)
+    (kept, shape, x_shape), (offloading, *_) = given
+    devices = compile_only(GPUS["h200"], 1).devices
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:1], ("x",)),
+                                            jax.sharding.PartitionSpec())
+    for policy, proofs, host in ((kept, 0, 0), (offloading, 1, 4 * shape[0] * 8 * 128)):
+        compiled = jax.jit(runtime_setup._probe_gradient, static_argnums=0).trace(
+            policy, *(jax.ShapeDtypeStruct(s, jnp.float32, sharding=replicated)
+                      for s in (shape, x_shape))).lower().compile()
+        found = addressing.prove(compiled.as_text())
+        assert len(found) == proofs and all(p.verdict == addressing.CHECKED for p in found)
+        assert all(p.buffer.shape.dims == (shape[0], 8, 128) for p in found)
+        assert CompiledMemory.of(compiled).host == host
 
 
 def test_a_gpu_run_refuses_a_jax_that_reads_the_wrong_bytes(monkeypatch):

@@ -12,7 +12,12 @@ import pytest
 
 import nvfp4_reference as ref
 
+from configs import OptimizerConfig
+from conftest import one_device_params, tokens
 from model import fp4, quant
+from model.options import ForwardOptions
+from model.config import LlamaConfig
+from trainer.step import device_update, loss_fn, make_optimizer, train_step
 
 FP4 = quant.Quantization("dequantize")  # every GEMM in FP4, 16x16 weight tiles
 round_stochastic = jax.jit(quant.round_stochastic)
@@ -187,6 +192,57 @@ def test_the_dgrad_is_unbiased_over_keys():
     one = np.linalg.norm(grads[0] - expected)
     mean = np.linalg.norm(grads.mean(0) - expected)
     assert mean < one / 8, (mean, one)
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (3, 5), (5, 3), (1, 4096), (4096, 1)],
+                         ids=lambda shape: "x".join(map(str, shape)))
+def test_every_element_of_a_matrix_draws_bits_of_its_own(shape):
+    """Guards the class: element indices that collide for some shapes (fewer rows than
+    columns, more, one row, one column), which keeps each draw unbiased. For one key the hash
+    is a bijection of the index (xors, xorshifts, odd multiplies mod 2^32): distinct indices
+    give distinct bits and colliding ones equal bits, so every element's bits must differ
+    from every other's, exactly, with no statistics."""
+    bits = np.asarray(fp4.random_bits(jax.random.key(7), shape))
+    assert bits.shape == shape and np.unique(bits).size == bits.size
+
+
+def test_each_step_layer_matrix_and_gemm_rounds_with_bits_of_its_own(monkeypatch):
+    """Guards the class: stochastic rounding drawing the same bits twice (the step's key not
+    folded with the step, a layer's or a matrix's key not its own, the Dgrad's and the
+    Wgrad's alike), which keeps each draw unbiased. The bits the trainer's step (train_step,
+    NVFP4 on a 2-layer Llama, 32 tokens) draws, recorded as drawn: 2 layers x 7 matrices x
+    (Dgrad, Wgrad) a step, no two alike in steps 0 and 1 (told apart by their first row:
+    one key gives every shape the same bits there); step 0 again draws step 0's bits (a
+    resumed run's); each draw gives every element of its [32, outputs] its own bits (outputs
+    16 to 48: fewer and more than the tokens)."""
+    drawn, draw = [], fp4.random_bits
+
+    def recorded(key, shape):
+        bits = draw(key, shape)
+        jax.debug.callback(lambda b: drawn.append(np.asarray(b)), bits)
+        return bits
+
+    monkeypatch.setattr(fp4, "random_bits", recorded)
+    cfg = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                      d_ff=48, rope_theta=1000.0)
+    params = one_device_params(cfg)
+    optimizer = make_optimizer(OptimizerConfig(), steps=2)
+    loss = partial(loss_fn, model=cfg, options=ForwardOptions(quantization=FP4))
+    step = jax.jit(partial(train_step, loss=loss, update=device_update(optimizer)))
+    state, batch = {"params": params, "opt_state": optimizer.init(params)}, tokens(cfg, 2, 17)
+
+    def bits_of(t: int) -> list[np.ndarray]:
+        drawn.clear()
+        jax.block_until_ready(step({**state, "step": jnp.int32(t)}, batch))
+        jax.effects_barrier()
+        return list(drawn)
+
+    first, second, again = bits_of(0), bits_of(1), bits_of(0)
+    assert len(first) == len(second) == 2 * 7 * 2
+    assert {b.shape for b in first} == {(32, 16), (32, 32), (32, 48)}
+    assert len({b[0, :16].tobytes() for b in first + second}) == 2 * len(first)
+    assert sorted(b.tobytes() for b in again) == sorted(b.tobytes() for b in first)
+    assert all(np.unique(b).size == b.size for b in first + second)
 
 
 def test_fp4_einsum_takes_the_models_subscripts():

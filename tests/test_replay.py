@@ -138,6 +138,48 @@ def test_the_compile_output_tells_the_expert_exchanges_inside_one_domain_from_th
     assert "each inside one NVLink domain" in predicted.exchange_line(found)
 
 
+def expert_exchange(fsdp: int, expert: int) -> str:
+    """An all-to-all over the mesh's expert axis: groups of `expert` consecutive devices."""
+    return f"""
+%a = f32[{N}]{{0}} parameter(0)
+ROOT %x = f32[{N}]{{0}} all-to-all(%a), channel_id=1, replica_groups=mesh['fsdp'={fsdp},""" \
+        f"""'expert'={expert}] {{'expert'}}, dimensions={{0}}
+"""
+
+
+# (GPU, fsdp, expert) -> the exchange groups that leave an NVLink domain, by hand. 144 GB200s
+# fill two NVL72 domains of 72: a group of 16 at 64-79 straddles the boundary at 72 though it
+# is narrower than a domain; groups of 8 tile a domain. 128 GB200s are two domains of 64, so
+# 64-79 is inside the second (not cut at 72). 24 H100s in domains of 8: groups of 6 at 6-11
+# and 12-17 straddle, 0-5 and 18-23 do not.
+STRADDLING = [(("gb200", 9, 16), [tuple(range(64, 80))]), (("gb200", 18, 8), []),
+              (("gb200", 8, 16), []), (("h100", 4, 6), [tuple(range(6, 12)),
+                                                       tuple(range(12, 18))])]
+
+
+@pytest.mark.parametrize("mesh, crossing", STRADDLING,
+                         ids=[f"{n * e} {g} in groups of {e}" for (g, n, e), _ in STRADDLING])
+def test_a_group_that_straddles_a_domain_boundary_crosses_it(mesh, crossing):
+    """Guards the class: an all-to-all group judged inside one NVLink domain by its size (or
+    its span, or the NVLink fabric's width instead of the domains the devices fill) rather
+    than by the domain of each of its devices; the study's sizes (groups of 8 in domains of 64)
+    cannot tell these apart."""
+    name, fsdp, expert = mesh
+    found = predicted.exchange_groups(module(expert_exchange(fsdp, expert)), GPUS[name],
+                                      list(range(fsdp * expert)))["expert"]
+    assert found["crossing"] == crossing
+
+
+def test_an_all_to_all_waits_for_its_slowest_group():
+    """The replay's cost of an exchange whose groups differ: 24 GPUs in domains of 8, groups
+    of 6. Inside one domain (0-5) 5/6 of S moves over NVLink; 6-11 has 2 GPUs in one domain
+    and 4 in the next (m = 6 // 2 = 3, as for a group of 6 in two halves): 2/6 of S over
+    NVLink while 3/6 crosses the NICs. The step waits for the slowest group."""
+    S = 4 * MiB
+    result = step(expert_exchange(4, 6), devices=24)
+    assert result.step_s == pytest.approx(max(2 / 6 * S / 100e9, 3 / 6 * S / 10e9), rel=1e-9)
+
+
 def host_copy(host_link: float, gpus_per_link: int = 1) -> replay.Replay:
     """4 MiB copied to pinned host memory while the add runs."""
     return step(f"""

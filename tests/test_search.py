@@ -4,6 +4,8 @@ times only rank candidates; the replay of compiled programs judges them (tests/t
 study/step_times.py). Every figure comes from the traced full-scale step (abstract
 values: nothing compiled or allocated)."""
 
+import dataclasses
+
 import pytest
 
 import configs
@@ -52,6 +54,43 @@ def test_an_all_to_all_crosses_the_nics_only_for_what_leaves_its_nvlink_domain()
     assert hw.all_to_all_s(1) == 0
     assert hw.all_to_all_s(4) == pytest.approx(3 / 4 / 100)
     assert hw.all_to_all_s(16) == pytest.approx(max(7 / 16 / 100, 8 / 16 / 10))
+
+
+def test_an_all_to_all_costs_the_group_that_straddles_a_domain_boundary():
+    """Guards the class (with tests/test_replay.py's straddling groups): a group judged inside
+    an NVLink domain because it is narrower than one. 144 GB200s in two domains of 72, groups
+    of 16: 64-79 has 8 GPUs on each side, so 7/16 of the bytes over NVLink while 8/16 cross
+    the NICs; groups of 8 tile the domains. 24 GPUs in domains of 8, groups of 6: 6-11 has 2
+    and 4 (m = 6 // 2 = 3, as the replay takes it): 2/6 over NVLink, 3/6 over the NICs."""
+    def hardware(devices: int, domain: int) -> search.Hardware:
+        return search.Hardware("x", 1.0, nvlink=100.0, host_link=1.0, devices=devices,
+                               capacity=0, host_capacity=0, network=10.0, domain=domain)
+
+    assert hardware(144, 72).all_to_all_s(16) == pytest.approx(max(7 / 16 / 100, 8 / 16 / 10))
+    assert hardware(144, 72).all_to_all_s(8) == pytest.approx(7 / 8 / 100)
+    assert hardware(24, 8).all_to_all_s(6) == pytest.approx(max(2 / 6 / 100, 3 / 6 / 10))
+
+
+# (GPU, data, fsdp, expert) -> the degrees searched by default, by hand: every power of two
+# from 2 up to the NVLink domain the devices fill (study/gpus.py: domain_size) that divides
+# the 256 experts and a data replica's devices, and the row's own.
+DEGREES = [(("gb200", 1, 8, 8), [2, 4, 8, 16, 32, 64]),  # 64 GB200s: one domain of 64
+           (("gb200", 2, 4, 4), [2, 4, 8, 16]),  # 32 GB200s, 2 replicas of 16
+           (("gb200", 1, 18, 8), [2, 4, 8, 16]),  # 144 GB200s: domains of 72
+           (("h200", 1, 4, 2), [2, 4, 8]),  # one 8-GPU host: one domain of 8
+           (("h200", 1, 4, 4), [2, 4, 8])]  # 16 H200s: two domains of 8
+
+
+@pytest.mark.parametrize("mesh, degrees", DEGREES,
+                         ids=[f"{d * f * e} {g} data {d}" for (g, d, f, e), _ in DEGREES])
+def test_the_searched_expert_degrees_at_other_cluster_sizes(mesh, degrees):
+    """Guards the class: the degrees' bounds (the domain, the replica, the powers of two)
+    off by one power of two, which the study's 128 GB200s (domains of 64) cannot show."""
+    device, data, fsdp, expert = mesh
+    row = configs.get("deepseek671b-offload")
+    row = dataclasses.replace(row, run=dataclasses.replace(
+        row.run, device=device, mesh=configs.MeshConfig(data, fsdp, expert)))
+    assert ps.experts_of(row, "") == degrees
 
 
 def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_mesh():

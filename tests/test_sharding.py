@@ -177,3 +177,59 @@ def test_dispatch_and_combine_transpose_by_gathers():
                             argnums=range(len(args)))
         for got, want in zip(grads(*args), expected(*args)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# (capacity, a device's tokens S, k, E) -> rows per block: the balanced share c S k / E rounded
+# up, by hand; 0 or a share of S or more: S rows. Shares below, at and above half a row.
+BLOCK_ROWS = [((1.0, 1, 1, 8), 1), ((1.0, 3, 1, 8), 1), ((1.0, 5, 1, 8), 1),
+              ((1.0, 4, 2, 16), 1), ((1.0, 12, 2, 16), 2), ((1.0, 18, 2, 16), 3),
+              ((1.0, 20, 2, 16), 3), ((1.0, 22, 2, 16), 3), ((0.5, 6, 3, 16), 1),
+              ((1.25, 16, 3, 16), 4), ((1.0, 16, 3, 16), 3), ((2.0, 8, 2, 16), 2),
+              ((0.0, 7, 2, 16), 7), ((4.0, 4, 2, 4), 4)]
+
+
+@pytest.mark.parametrize("case, rows", BLOCK_ROWS, ids=[
+    f"share {c * s * k / e:g} of {s}" for (c, s, k, e), _ in BLOCK_ROWS])
+def test_a_block_holds_the_balanced_share_rounded_up(case, rows):
+    """Guards the class: the block size rounded any way but up (to nearest, half to even,
+    down), which gives shares below half a row blocks of 0 rows (every pair dropped) and
+    drops pairs a balanced routing sends; or a whole share rounded up once more."""
+    capacity, tokens, k, n_experts = case
+    assert experts.ExpertParallel(8, capacity).block_rows(tokens, k, n_experts) == rows
+
+
+def test_balanced_routing_at_capacity_1_drops_nothing():
+    """The end-to-end consequence, on 8 devices of an expert axis (16 experts, 2 each): 3
+    tokens per device, k = 2, a balanced share of 3/8 of a row. Each device sends each expert
+    at most one pair and every expert gets 3 in all: at capacity 1.0 nothing is dropped and
+    the output is the float64 mixture of each token's experts."""
+    devices, S, k, E, D, F = 8, 3, 2, 16, 8, 4
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(devices * S, D)).astype(np.float32)
+    weights = rng.uniform(0.1, 1, size=(devices * S, k)).astype(np.float32)
+    # Device d's pair (t, j) goes to expert 6d + 2t + j mod 16: 6 distinct experts per device.
+    chosen = (6 * np.arange(devices)[:, None, None] + 2 * np.arange(S)[:, None]
+              + np.arange(k)) % E
+    chosen = chosen.reshape(devices * S, k).astype(np.int32)
+    assert (np.bincount(chosen.reshape(-1), minlength=E) == devices * S * k // E).all()
+    assert all(len(set(pairs)) == S * k for pairs in chosen.reshape(devices, S * k))
+    w = {name: rng.normal(scale=0.3, size=shape).astype(np.float32) for name, shape in
+         (("we_gate", (E, D, F)), ("we_up", (E, D, F)), ("we_down", (E, F, D)))}
+    parallel = deepseek.ExpertParallel(devices, 1.0)
+    axis = jax.sharding.PartitionSpec("expert")
+
+    def local(x, weights, chosen, w):
+        out, dropped = experts.experts_exchanged(x, weights, chosen, w, E, parallel, "expert")
+        return out, dropped[None]
+
+    out, dropped = jax.jit(jax.shard_map(
+        local, mesh=make_mesh((devices,), ("expert",)), in_specs=(axis,) * 4,
+        out_specs=(axis, axis)))(x, weights, chosen, w)
+    assert not np.asarray(dropped).any()
+    w64 = {name: a.astype(np.float64) for name, a in w.items()}
+    want = np.zeros(x.shape)
+    for s, j in np.ndindex(chosen.shape):
+        e, h = chosen[s, j], x[s].astype(np.float64)
+        gate, up = h @ w64["we_gate"][e], h @ w64["we_up"][e]
+        want[s] += weights[s, j] * ((gate / (1 + np.exp(-gate)) * up) @ w64["we_down"][e])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ from model.params import init_params
 from model.sharding import AxisRules, make_mesh
 from runtime import setup as runtime_setup
 from trainer import target as trainer_target
-from trainer.program import Program
+from trainer.program import Program, make_loss
 from trainer.step import loss_fn, make_optimizer, update_router_bias
 
 
@@ -154,6 +154,40 @@ def test_the_trainers_steps_are_a_float64_reference_written_from_the_formulas(na
     assert clipped == [True, True, True, False]
 
 
+def test_a_deepseek_step_reports_the_drops_of_the_worst_device_of_its_expert_axis():
+    """What a run reports, read off the trainer's own step (make_step wires mesh.expert into
+    it): expert parallelism 4 x FSDP 2 over 8 devices, blocks small enough to drop. The test
+    groups the loss's per-expert loads and drops [L, E] by device of the expert axis itself
+    (4 consecutive experts of 16, every MoE layer): the reported worst share is the largest
+    of their drops over their pairs; the overall share and the worst layer's imbalance too.
+    Guards the class: a reported figure computed with a count wired from the wrong place (the
+    axis taken as one device, the fsdp axis, every device, one per expert: each gives another
+    worst share here)."""
+    model = SHARDED_DEEPSEEK
+    run = configs.RunConfig(compute_dtype="float32", expert_capacity=1.0,
+                            mesh=MeshConfig(fsdp=2, expert=4))
+    params = one_device_params(model)  # the router alone chooses: a third of pairs dropped
+    params["moe_layers"]["router_bias"] = jnp.zeros_like(params["moe_layers"]["router_bias"])
+    batch = np.asarray(tokens(model, batch=8, seq=17, seed=3))
+    program, state = trainer(model, run, params, batch.shape)
+    batch = program.batch(batch)
+    loss = make_loss(model, program.run, program.options)  # the step's own loss
+    _, aux = jax.jit(loss)(state["params"], batch)  # before the step: it donates the state
+    _, metrics = program.step(state, batch)
+    load, dropped = (np.asarray(aux[k], np.float64) for k in ("expert_load", "expert_dropped"))
+
+    def worst(devices: int) -> float:
+        pairs, lost = (a.reshape(len(a), devices, -1).sum(axis=(0, 2)) for a in (load, dropped))
+        return np.where(pairs > 0, lost / np.maximum(pairs, 1), 0.0).max()
+
+    assert 0 < dropped.sum() < load.sum()
+    assert all(abs(worst(devices) - worst(4)) > 0.03 for devices in (1, 2, 8, 16))
+    np.testing.assert_allclose(metrics["expert_dropped_worst_device"], worst(4), rtol=1e-6)
+    np.testing.assert_allclose(metrics["expert_dropped"], dropped.sum() / load.sum(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["expert_load_max_over_mean"],
+                               (load.max(axis=1) / load.mean(axis=1)).max(), rtol=1e-6)
+
+
 def flat(tree) -> dict[str, np.ndarray]:
     """{"moe_layers/router_bias": float64 array, ...}"""
     return {"/".join(k.key for k in path): np.asarray(leaf, np.float64)
@@ -179,10 +213,10 @@ def float64_gradients(model, run, like):
     return gradients
 
 
-def trainer_steps(model, run, params, batches):
-    """The trainer's own compiled step (trainer/program.py) over 8 CPU devices, FSDP: the state
-    after each batch (compiled for the batches' shape)."""
-    run = dataclasses.replace(run, seq=batches[0].shape[1] - 1, global_batch=len(batches[0]))
+def trainer(model, run, params, batch_shape):
+    """The trainer's own program (trainer/program.py) over 8 CPU devices, compiled for batches
+    of `batch_shape`, and its first state (FSDP-sharded copies of `params`)."""
+    run = dataclasses.replace(run, seq=batch_shape[1] - 1, global_batch=batch_shape[0])
     program = Program(model, run, runtime_setup.resolve_placement(model, run),
                       trainer_target.this_machine())
     shardings = jax.tree.map(lambda a: a.sharding, program.state_shapes)
@@ -191,6 +225,12 @@ def trainer_steps(model, run, params, batches):
     state = {"params": params, "opt_state": jax.jit(
         program.optimizer.init, out_shardings=shardings["opt_state"])(params),
         "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}
+    return program, state
+
+
+def trainer_steps(model, run, params, batches):
+    """The state after each batch of the trainer's compiled step, FSDP over 8 CPU devices."""
+    program, state = trainer(model, run, params, batches[0].shape)
     history = []
     for batch in batches:
         state, _ = program.step(state, program.batch(np.asarray(batch)))
