@@ -368,3 +368,17 @@ def test_overrides_are_typed_by_their_field():
     assert (run.steps, run.profile, run.optimizer.lr, run.mesh.fsdp) == (7, True, 0.5, 4)
     assert run.xla_flags["xla_gpu_enable_latency_hiding_scheduler"] == "false"
     assert run.placement == {"layers.mlpwo": "offload"} and model.rope_scaling is None
+
+
+def test_an_empty_out_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """out_dir= (what an unset shell variable gives) would write the run's folder into the
+    current folder: one line and status 2, before anything is built."""
+    def never(*args, **kwargs):
+        raise AssertionError("trained with an empty out_dir")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "train", never)
+    assert train.main(["llama405b-offload", "out_dir="]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out_dir='': ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())

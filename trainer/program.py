@@ -108,7 +108,9 @@ def compile_step(model, run: RunConfig, placement: dict | None, rules, optimizer
             compiled = traced.lower().compile({**compiler_options(run, target),
                                                **(extra_options or {})})
     except jax.errors.JaxRuntimeError as e:
-        if "compile option" in str(e):  # an XLA flag this jaxlib does not know
+        # An XLA flag this jaxlib does not know, or a value its type refuses (configs checks
+        # the types of the study's flags before tracing; XLA those of any other flag, here).
+        if "compile option" in str(e) or "While setting option" in str(e):
             raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
         raise
     return traced.jaxpr, compiled
