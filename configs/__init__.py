@@ -68,6 +68,18 @@ MESH_AXES = ("data", "fsdp", "expert")  # the mesh's axis names, outermost first
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
 ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
+# What those flags take (their DebugOptions fields' types), checked before anything is traced:
+# XLA checks a flag's value only when it parses it, at compile time, and jaxlib does not expose
+# the fields' types (its DebugOptions binding has a few dozen fields, none of these). Any other
+# flag's value is XLA's to check, when it compiles for a GPU.
+XLA_FLAG_TYPES = {LHS: bool, PIPELINED: bool, ASYNC_LIMIT: int}
+
+
+def xla_flag_value(text: str) -> bool | int | str:
+    """An XLA flag's value as a compile passes it (trainer/target.py): true/false a bool, digits
+    an int, anything else the text."""
+    booleans = {"true": True, "false": False}
+    return booleans.get(text.lower(), int(text) if text.isdigit() else text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,9 +224,16 @@ def _coerce(key: str, text: str, kind) -> Any:
     raise ConfigError(f"{key}={text!r}: expected {names}")
 
 
+# Keys a run took before they were renamed: their error names the new key.
+RENAMED = {"policy": "preset"}
+
+
 def _set(obj, path: list[str], text: str, full_key: str):
     """A copy of dataclass `obj` with the field at `path` set from `text`, typed by the field."""
     name, known = path[0], [f.name for f in dataclasses.fields(obj)]
+    if full_key in RENAMED:
+        raise ConfigError(f"unknown key {full_key!r}: it is {RENAMED[full_key]}= now "
+                          f"({RENAMED[full_key]}={text})")
     if name not in known:
         raise ConfigError(f"unknown key {full_key!r}; {type(obj).__name__} has {', '.join(known)}")
     value, kind = getattr(obj, name), typing.get_type_hints(type(obj))[name]
@@ -345,6 +364,12 @@ def problems(model: ModelConfig, run: RunConfig, n_devices: int) -> list[str]:
     found += experts
     found += [f"xla_flags.{flag}: XLA flag names start with xla_"
               for flag in run.xla_flags if not flag.startswith("xla_")]
+    words = {bool: "true or false", int: "a whole number"}
+    found += [f"xla_flags.{flag}={text!r}: expected {words[XLA_FLAG_TYPES[flag]]}"
+              for flag, text in run.xla_flags.items()
+              if flag in XLA_FLAG_TYPES and type(xla_flag_value(text)) is not XLA_FLAG_TYPES[flag]]
+    if not run.out_dir:  # (an unset shell variable): not the current folder
+        found.append("out_dir='': name the folder a run's folder goes in (runs by default)")
     return found
 
 

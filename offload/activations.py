@@ -54,6 +54,11 @@ def resolve(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of "
                          f"{', '.join([*PRESETS, NO_CHECKPOINT])}")
+    if preset not in (fitting := presets_for(scan_tags)):  # named as typed, not by a key of it
+        scans = sorted({key.rpartition(".")[0] for key in PRESETS[preset]} - {"", *scan_tags})
+        raise ValueError(f"preset={preset} places layer scans this model does not have "
+                         f"({', '.join(scans)}); its presets: {', '.join(fitting)}, "
+                         f"{NO_CHECKPOINT}")
     tables = {scan: {} for scan in scan_tags}
     for key, place in [*PRESETS[preset].items(), *dict(changes).items()]:
         scan, _, tag = key.rpartition(".")
@@ -62,9 +67,9 @@ def resolve(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict
                              f"{', '.join(scan_tags)}")
         scans = [scan] if scan else [s for s, tags in scan_tags.items() if tag in tags]
         if not scans or any(tag not in scan_tags[s] for s in scans):
-            known = sorted({t for tags in scan_tags.values() for t in tags})
-            raise ValueError(f"placement.{key}: the model has no tag {tag!r} there; tags: "
-                             f"{', '.join(known)}")
+            known = scan_tags[scan] if scan else sorted({t for s in scan_tags.values() for t in s})
+            raise ValueError(f"placement.{key}: the model has no tag {tag!r} there; tags"
+                             f"{f' of {scan}' if scan else ''}: {', '.join(known)}")
         if place not in PLACEMENTS:
             raise ValueError(f"placement.{key}={place!r}: placement must be one of "
                              f"{', '.join(PLACEMENTS)}")

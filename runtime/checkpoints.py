@@ -134,15 +134,22 @@ def find(target: str, out_dir: str, run_prefix: str, said: str = "resume=") -> S
     raise CheckpointNotFound(f"{said}{target}: {why} in {directory}")
 
 
+def check_folder(said: str, folder: str) -> None:
+    """A folder to write in (`said`: how the command line gave it): it, or the nearest of its
+    parents that exists, a writable folder."""
+    existing = next(p for p in (Path(folder), *Path(folder).parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{said}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{said}: {existing} is not writable")
+
+
 def check_outputs(setup, batch_size: int) -> Source | None:
     """The output folders and the resume checkpoint, checked before anything is compiled."""
     run = setup.run
     for key, folder in (("out_dir", run.out_dir), ("checkpoint_dir", run.checkpoint_dir)):
-        existing = next(p for p in (Path(folder), *Path(folder).parents) if p.exists())
-        if folder and not existing.is_dir():
-            raise ConfigError(f"{key}={folder}: {existing} is a file, not a folder")
-        if folder and not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}={folder}: {existing} is not writable")
+        if folder:
+            check_folder(f"{key}={folder}", folder)
     if run.checkpoint_dir and any(Path(run.checkpoint_dir).glob("*")):
         raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
                           f"{run.checkpoint_dir} continues from it; a new run needs a new folder")

@@ -7,13 +7,14 @@
     python -m study search EXPERIMENT [key=value ...]   placements ranked by predicted memory
                                                         and step time (search_report.py)
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]   every row replayed vs the study
-    python -m study compile-table [EXPERIMENT ...]      every row's compiled memory
-    python -m study bench [EXPERIMENT ...]              proxy step time on this machine
-    python -m study checkpoint-bench                    checkpoint save and restore costs
+    python -m study compile-table [EXPERIMENT ...] [key=value ...]   every row's compiled memory
+    python -m study bench [EXPERIMENT ...] [key=value ...]   proxy step time on this machine
+    python -m study checkpoint-bench [EXPERIMENT ...] [steps=N]   checkpoint save, restore costs
     python -m study gpu-check [--smoke]                 gradients and step times on a real GPU
 
-A comparison (llama405b-compare) plans, compiles or searches each of its rows. Any mistake is
-one line and exit status 2, before anything is traced or compiled.
+A comparison (llama405b-compare) plans, compiles or searches each of its rows (the tools take
+it as its rows). Any mistake is one line and exit status 2, before anything is traced or
+compiled.
 """
 
 from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)

@@ -1,6 +1,6 @@
 """Proxy training-step time and model-FLOP rate, as a fraction of a same-run matmul ceiling.
 
-    python -m study bench [experiment] [steps=N]
+    python -m study bench [EXPERIMENT ...] [steps=N] [key=value ...]
 
 Ratios within one run on this machine (noisy if shared); FLOPs by MaxText's count, no recompute.
 """
@@ -25,6 +25,8 @@ from model.params import init_params
 from model.sharding import AxisRules, make_mesh
 from offload import activations
 from runtime import header
+from runtime import setup as runtime_setup
+from study import cli
 from trainer import program
 from trainer import step as trainer_step
 from trainer import target as trainer_target
@@ -80,15 +82,15 @@ def step_time(model, run, preset: str, repeats: int) -> float:
     return timed(one_step, repeats=repeats)
 
 
-def bench(name: str, overrides: dict, repeats: int, ceiling: float) -> None:
-    experiment = configs.get(name)
-    model, run = configs.apply_overrides(*experiment.at_scale("proxy"), overrides)
+def bench(setup: runtime_setup.Setup, repeats: int, ceiling: float) -> None:
+    model, run, name = setup.model, setup.run, setup.experiment.name
     print(f"\n{name} proxy: {header.model_line(model)}; batch {run.per_device_batch} x "
           f"{run.seq}, compute {run.compute_dtype}, quant {run.quant}, "
           f"1 {jax.default_backend()} device; median of {repeats} steps")
     flops = families.of(model).training_flops(model, run.per_device_batch, run.seq)
     print(f"{'preset':<14}{'step ms':>9}{'GFLOP/s':>10}{'of ceiling':>12}{'vs remat':>10}")
-    times = {p: step_time(model, run, p, repeats) for p in ("none", "remat", experiment.run.preset)}
+    presets = ("none", "remat", setup.experiment.run.preset)
+    times = {p: step_time(model, run, p, repeats) for p in presets}
     for p, seconds in times.items():
         rate = flops / seconds
         print(f"{p:<14}{seconds * 1e3:>9.1f}{rate / 1e9:>10.1f}{rate / ceiling:>11.0%}"
@@ -142,13 +144,19 @@ def nvfp4_costs(model, run, repeats: int) -> None:
               f"{np.abs(diff).max() / np.abs(reference).max():>28.4f}")
 
 
-def main(argv: list[str]) -> None:
-    names = [a for a in argv if "=" not in a] or ["llama405b-offload", "deepseek671b-offload"]
-    overrides = configs.parse_overrides([a for a in argv if "=" in a])
-    repeats = int(overrides.pop("steps", "5"))
+def main(argv: list[str]) -> int:
+    _, names, words = cli.tool_words("bench [EXPERIMENT ...] [steps=N] [key=value ...]", argv,
+                                     {}, keys=True)
+    # Each experiment's proxy on one of this machine's devices, checked as a run checks it,
+    # before the ceiling is measured; steps=N: the steps timed (typed and ranged as a run's).
+    one = trainer_target.this_machine().devices[:1]
+    setups = [runtime_setup.resolve(name, words, one)
+              for name in names or ["llama405b-offload", "deepseek671b-offload"]]
+    repeats = setups[0].run.steps if "steps" in configs.parse_overrides(words) else 5
     ceiling = matmul_ceiling()
     print(f"ceiling: 2048^3 f32 matmul {ceiling / 1e9:.1f} GFLOP/s (same run)")
-    for name in names:
-        bench(name, overrides, repeats, ceiling)
+    for setup in setups:
+        bench(setup, repeats, ceiling)
     print("(on a CPU, offloaded tensors stay in memory: the gain over remat is the recompute "
           "saved, the cost the memory traffic of keeping them)")
+    return 0

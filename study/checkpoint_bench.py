@@ -1,7 +1,7 @@
 """Checkpoint costs on a proxy: save and restore time of its train state, and what asynchronous
 saves every N steps add to the mean step time.
 
-    python -m study checkpoint-bench [experiment] [steps=N]
+    python -m study checkpoint-bench [EXPERIMENT ...] [steps=N]
 
 Ratios within one run on whatever machine runs this: on a CPU the background write competes
 with the step for the same cores, which a GPU run does not.
@@ -19,8 +19,10 @@ import jax
 
 import configs
 import train
+from configs import ConfigError
 from runtime import checkpoints
 from runtime import setup as runtime_setup
+from study import cli
 from trainer import target as trainer_target
 from trainer.program import Program
 
@@ -62,9 +64,23 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> str:
             f"{restore * 1e3:.0f} ms ({mib / restore:.0f} MiB/s)")
 
 
-def main(argv: list[str]) -> None:
-    names = [a for a in argv if "=" not in a] or ["llama405b-offload"]
-    steps = configs.parse_overrides([a for a in argv if "=" in a]).get("steps", "21")
+def arguments(argv: list[str]) -> tuple[list[str], int]:
+    """(the experiments, each run's steps), every word and row checked before the first runs."""
+    _, names, words = cli.tool_words("checkpoint-bench [EXPERIMENT ...] [steps=N]", argv, {},
+                                     keys=True)
+    if unknown := configs.parse_overrides(words).keys() - {"steps"}:
+        raise ConfigError(f"checkpoint-bench: unknown key {sorted(unknown)[0]!r}; it takes steps")
+    names = names or ["llama405b-offload"]
+    args = [f"steps={configs.parse_overrides(words).get('steps', '21')}"]
+    setups = [runtime_setup.resolve(name, args, trainer_target.this_machine().devices)
+              for name in names]
+    if (steps := setups[0].run.steps) < 2:  # the mean step time leaves the first out
+        raise ConfigError(f"steps={steps}: checkpoint-bench needs 2 or more")
+    return names, steps
+
+
+def main(argv: list[str]) -> int:
+    names, steps = arguments(argv)
     args = [f"steps={steps}"]
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
@@ -74,3 +90,4 @@ def main(argv: list[str]) -> None:
         print(f"{'checkpoint_every':<18}{'mean step ms':>14}{'vs none':>10}  (steps 2..{steps})")
         for every, seconds in times.items():
             print(f"{every or 'off':<18}{seconds * 1e3:>14.1f}{seconds / times[0] - 1:>+10.1%}")
+    return 0

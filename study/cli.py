@@ -1,11 +1,15 @@
 """The study's per-experiment modes (`python -m study plan|compile|search EXPERIMENT`): full scale
-by the trainer's settings (runtime/setup.py) on any machine, writing only where a run would."""
+by the trainer's settings (runtime/setup.py) on any machine, writing only where a run would; and
+the command line of the study's other tools (`tool_words`)."""
 
 import dataclasses
 import time
+from collections.abc import Mapping
 
 import jax
 
+import configs
+from configs import ConfigError
 from runtime import checkpoints, header, report
 from runtime.setup import Setup, resolve
 from study import plan as plans, predicted, search_report
@@ -20,6 +24,38 @@ def study_setup(name: str, args: list[str]) -> tuple[Setup, Gpu]:
     devices = [a.partition("=")[2] for a in args if a.startswith("device=")]
     gpu = gpu_of(name, devices[-1] if devices else "")
     return resolve(name, [a for a in args if not a.startswith("device=")], full=True), gpu
+
+
+def tool_words(usage: str, argv: list[str], flags: Mapping[str, str | None], names: bool = True,
+               keys: bool = False) -> tuple[dict, list[str], list[str]]:
+    """(the flags given -> their value, True for one that takes none; the experiments, a
+    comparison as its rows; the key=value words) of a tool's command line, every word checked
+    before the tool traces or compiles anything. `usage`: its words after `python -m study`;
+    `flags`: those it takes -> what each takes after it (None: nothing)."""
+    given, found, words, rest = {}, [], [], iter(argv)
+    for word in rest:
+        if word.startswith("-"):  # a flag, never an experiment
+            if word not in flags:
+                raise ConfigError(f"unknown flag {word!r}; usage: python -m study {usage}")
+            if flags[word] is None:
+                given[word] = True
+            elif (value := next(rest, "")) and not value.startswith("-"):
+                given[word] = value
+            else:
+                raise ConfigError(f"{word} needs {flags[word]} after it; usage: python -m study "
+                                  f"{usage}")
+        else:
+            (words if "=" in word else found).append(word)
+    if found and not names:
+        raise ConfigError(f"unexpected word {found[0]!r}; usage: python -m study {usage}")
+    if words and not keys:
+        raise ConfigError(f"{usage.split()[0]} takes no key=value words, got {words[0]!r}; "
+                          f"usage: python -m study {usage}")
+    configs.parse_overrides(words)  # each word key=value
+    for name in found:
+        if name not in configs.COMPARISONS:
+            configs.get(name)
+    return given, [row for n in found for row in configs.COMPARISONS.get(n, (n,))], words
 
 
 def check_out_dir(setup: Setup) -> None:

@@ -11,7 +11,7 @@ import time
 import configs
 from runtime import backend
 from runtime.own_program import GiB
-from study.cli import study_setup
+from study import cli
 from study.compile_only import pool_bytes
 from study.compiled import compile_row
 
@@ -22,10 +22,11 @@ ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepsee
 STUDY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
 
 
-def row(name: str, overrides: list[str]) -> list[str]:
+def row(setup, gpu) -> list[str]:
     started = time.perf_counter()
-    built = compile_row(*study_setup(name, overrides))
+    built = compile_row(setup, gpu)
     compiled, static = built.compiled_memory(), built.full_plan
+    name = setup.experiment.name
     study = STUDY_GIB.get(name)
     return [name, f"{compiled.arguments / GiB:.1f}", f"{compiled.temporaries / GiB:.1f}",
             f"{compiled.device / GiB:.1f}", f"{static.peak_estimate / GiB:.1f}",
@@ -37,14 +38,16 @@ def row(name: str, overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    names = [a for a in argv if "=" not in a] or ROWS
-    overrides = [a for a in argv if "=" in a]
+    _, names, overrides = cli.tool_words("compile-table [EXPERIMENT ...] [key=value ...]", argv,
+                                         {}, keys=True)
+    # Every row resolved (checked whole) before the first compiles.
+    setups = [cli.study_setup(name, overrides) for name in names or ROWS]
     header = ["row", "arguments", "temporaries", "device total", "static plan", "plan vs compiled",
               "study", "host", "plan host", "verdict", "compile s", "all s"]
     fraction, variable = backend.memory_fraction()
     print(f"GiB per device; {variable}={fraction:g} of each GPU's memory for XLA's pool")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for name in names:
-        print("| " + " | ".join(row(name, overrides)) + " |", flush=True)
+    for setup, gpu in setups:
+        print("| " + " | ".join(row(setup, gpu)) + " |", flush=True)
     return 0

@@ -2,6 +2,8 @@
 
     python -m study gpu-check           one GPU (e.g. an H200; jax[cuda12]==0.12.0.1: README)
     python -m study gpu-check --smoke   tiny shapes on any backend (the CPU test of this)
+    python -m study gpu-check --row ROW [--smoke]   one row's speed and memory (2. below),
+                                                    what the check runs in a process per row
 
 1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
    #46231): for each row's placement, XLA flags and NVFP4 weights, loss and gradients at f32 /
@@ -25,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import configs
+from configs import ConfigError
 from model import llama, quant
 from model.options import ForwardOptions
 from runtime.setup import resolve_placement
-from study import addressing, hlo, replay
+from study import addressing, cli, hlo, replay
 from study.bench import in_a_fresh_process, proxy_params, timed
 from study.gpus import GPUS
 from trainer import program, step as trainer_step, target as trainer_target
@@ -150,9 +153,13 @@ def check_nvfp4() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    smoke = "--smoke" in argv
-    if "--row" in argv:
-        print(json.dumps(measure_row(argv[argv.index("--row") + 1], smoke)))
+    flags, _, _ = cli.tool_words("gpu-check [--smoke] [--row ROW]", argv,
+                                 {"--smoke": None, "--row": "ROW"}, names=False)
+    smoke = "--smoke" in flags
+    if "--row" in flags:
+        if flags["--row"] not in ROWS:
+            raise ConfigError(f"--row {flags['--row']!r}: choose one of {', '.join(ROWS)}")
+        print(json.dumps(measure_row(flags["--row"], smoke)))
         return 0
     print(f"backend {jax.default_backend()}: {jax.devices()[0].device_kind}"
           + (" (smoke shapes: not the real check)" if smoke else ""))

@@ -28,6 +28,7 @@ from runtime.setup import resolve_placement
 from study.compile_only import pool_bytes
 
 OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
+PLOTS = ("auto", "off")  # the picture beside the report, or none
 
 
 def split_options(args: list[str]) -> tuple[list[str], dict]:
@@ -45,6 +46,8 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
     for key in ("top", "exact", "verify"):
         if not options[key].isdigit():
             raise ConfigError(f"search.{key}={options[key]!r}: expected a whole number")
+    if options["plot"] not in PLOTS:
+        raise ConfigError(f"search.plot={options['plot']!r}: choose one of {', '.join(PLOTS)}")
     return rest, options
 
 

@@ -9,14 +9,19 @@ what-ifs, and the efficiency fit of study/gpus.py (each precision class on its F
 """
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
 import configs
+from configs import ConfigError
+from runtime import checkpoints
 from runtime import setup as runtime_setup
-from study import predicted
+from study import cli, hlo, predicted
 from study.compiled import compile_row
 from study.gpus import gpu_of
+
+USAGE = "step-times [--hlo DIR] [EXPERIMENT ...]"
 
 ROWS = [*configs.COMPARISONS["llama405b-compare"], "llama405b-searched",
         *configs.COMPARISONS["deepseek671b-compare"]]
@@ -37,14 +42,43 @@ RATIOS = [("Llama: Q/K/V offload + LHS vs baseline", "llama405b-offload", "llama
 FIT_ON = {"fp4": "llama405b-baseline", "bf16": "deepseek671b-offload"}
 
 
+def arguments(argv: list[str]) -> tuple[Path | None, list[str], dict[str, str]]:
+    """(the --hlo folder, the rows, the saved HLO of each row that has one), every word checked
+    and every saved file read before anything is compiled."""
+    flags, names, _ = cli.tool_words(USAGE, argv, {"--hlo": "DIR"})
+    hlo_dir = Path(flags["--hlo"]) if "--hlo" in flags else None
+    if hlo_dir:
+        checkpoints.check_folder(f"--hlo {hlo_dir}", str(hlo_dir))
+    names = names or ROWS
+    saved = {name: read_saved(hlo_dir / f"{name}.hlo") for name in names
+             if hlo_dir and (hlo_dir / f"{name}.hlo").exists()}
+    return hlo_dir, names, saved
+
+
+def read_saved(path: Path) -> str:
+    """A saved HLO module, whole: XLA prints the entry computation last, so a file cut short
+    anywhere (a write interrupted before writes were atomic) has none."""
+    try:
+        text = path.read_text()
+        module = hlo.parse_module(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable HLO module ({e}); delete it to compile the "
+                          "row again") from None
+    if not module.scheduled or not any(c.entry for c in module.computations.values()):
+        raise ConfigError(f"{path}: not a whole scheduled HLO module (cut short?); delete it to "
+                          "compile the row again")
+    return text
+
+
 def compiled_hlo(name: str, hlo_dir: Path | None) -> str:
-    saved = None if hlo_dir is None else hlo_dir / f"{name}.hlo"
-    if saved and saved.exists():
-        return saved.read_text()
+    """The row compiled; its HLO saved in `hlo_dir` if given, whole or not at all: written to a
+    temporary file beside it, then renamed (an interrupted write leaves only the temporary)."""
     text = compile_row(runtime_setup.resolve(name, [], full=True), gpu_of(name)).hlo
-    if saved:
+    if hlo_dir:
         hlo_dir.mkdir(parents=True, exist_ok=True)
-        saved.write_text(text)
+        temporary = hlo_dir / f".{name}.hlo.{os.getpid()}.tmp"  # (one per process)
+        temporary.write_text(text)
+        os.replace(temporary, hlo_dir / f"{name}.hlo")
     return text
 
 
@@ -72,18 +106,15 @@ def fit(cls: str, name: str, text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    hlo_dir = None
-    if "--hlo" in argv:
-        at = argv.index("--hlo")
-        hlo_dir, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2:]
-    names = argv or ROWS
-    texts, found = {}, {}
+    hlo_dir, names, texts = arguments(argv)
+    found = {}
     print("| row | replayed step s | TFLOP/s/device | study | vs study | exposed collectives s "
           "| exposed host s | critical | GEMM PFLOP | compile + replay s |")
     print("|" + "---|" * 10)
     for name in names:
         started = time.perf_counter()
-        texts[name] = compiled_hlo(name, hlo_dir)
+        if name not in texts:
+            texts[name] = compiled_hlo(name, hlo_dir)
         p = found[name] = predict(name, texts[name])
         r, study = p.result, p.study_tflops
         host = r.exposed["to host"] + r.exposed["from host"]

@@ -430,3 +430,17 @@ def test_every_run_setting_is_shown_in_the_header_row_it_declares():
         changed = _replaced(base.run, key, _other(key, configs._value(base.run, key)))
         after = _header(dataclasses.replace(base, run=changed), devices)
         assert after[meta["shown"]] != before[meta["shown"]], key
+
+
+def test_an_empty_out_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """out_dir= (what an unset shell variable gives) would write the run's folder into the
+    current folder: one line and status 2, before anything is built."""
+    def never(*args, **kwargs):
+        raise AssertionError("trained with an empty out_dir")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "train", never)
+    assert train.main(["llama405b-offload", "out_dir="]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out_dir='': ") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())

@@ -155,7 +155,9 @@ class Program:
                 compiled = traced.lower().compile({**compiler_options(self.run, self.target),
                                                    **(options or {})})
         except jax.errors.JaxRuntimeError as e:
-            if "compile option" in str(e):  # an XLA flag this jaxlib does not know
+            # An XLA flag this jaxlib does not know, or a value its type refuses (configs checks
+            # the types of the study's flags before tracing; XLA those of any other flag, here).
+            if "compile option" in str(e) or "While setting option" in str(e):
                 raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
             raise
         self.compile_s += time.perf_counter() - started

@@ -5,7 +5,7 @@ import dataclasses
 
 import jax
 
-from configs import RunConfig
+from configs import RunConfig, xla_flag_value
 from model import quant
 from runtime.backend import quiet
 
@@ -61,6 +61,4 @@ def compiler_options(run: RunConfig, target: Target) -> dict:
     break a CPU compile."""
     if target.platform != "gpu":
         return {}
-    booleans = {"true": True, "false": False}
-    return {k: booleans.get(v.lower(), int(v) if v.isdigit() else v)
-            for k, v in run.xla_flags.items()}
+    return {k: xla_flag_value(v) for k, v in run.xla_flags.items()}
