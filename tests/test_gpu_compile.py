@@ -61,6 +61,7 @@ IN_HOST_MEMORY = {
     # The placement search's best (README), pinned from its `run it:` line:
     "llama405b-searched": {("layers", t) for t in ("key_proj", "value_proj", "mlpwi_0",
                                                    "mlpwi_1")},
+    "shakespeare": set(),  # its activations kept on the device (preset minimal)
 }
 # The DeepSeek rows whose memory the study gives compile at full depth and must fit in it.
 # (All rows at full depth: study/compile_table.py, a few minutes here.)
