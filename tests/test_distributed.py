@@ -147,11 +147,13 @@ def sbatch_options(script: Path) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", script.read_text(), re.M))
 
 
-@pytest.mark.parametrize("script, gpus", [("gb200-nvl72.sbatch", 128), ("h100-8gpu.sbatch", 8)])
-def test_slurm_scripts_reach_the_detection(script, gpus, tmp_path, environment):
+@pytest.mark.parametrize("script, gpus, device", [("gb200-nvl72.sbatch", 128, ""),
+                                                  ("h100-8gpu.sbatch", 8, "h100")])
+def test_slurm_scripts_reach_the_detection(script, gpus, device, tmp_path, environment):
     """Each batch script parses, asks for its GPUs, derives XLA's pinned-host pool from the
-    plan (per process: its GPUs' offloaded bytes + 10%), and starts train.py under srun; each
-    task's environment (the script's own plus what srun sets) is a launch JAX detects."""
+    plan (per process: its GPUs' offloaded bytes + 10%; `device=`, a study word, for the plan
+    alone), and starts train.py under srun; each task's environment (the script's own plus
+    what srun sets) is a launch JAX detects."""
     for path in SCRIPTS.iterdir():
         assert subprocess.run(["bash", "-n", path]).returncode == 0, path
     options = sbatch_options(SCRIPTS / script)
@@ -168,11 +170,12 @@ def test_slurm_scripts_reach_the_detection(script, gpus, tmp_path, environment):
                   "PATH": f"{fake}:{os.environ['PATH']}"}
     env = {k: v for k, v in os.environ.items() if not re.match("(SLURM_|OMPI_|JAX_|XLA_)", k)}
     args = ["llama8b-offload", "per_device_batch=8"]  # 24 GiB offloaded per GPU
-    result = subprocess.run([SCRIPTS / script, *args], env={**env, **batch_step},
+    words = [*args, *([f"device={device}"] if device else [])]
+    result = subprocess.run([SCRIPTS / script, *words], env={**env, **batch_step},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     setup = runtime_setup.resolve(args[0], args[1:], full=True)
-    planned = plan.full_scale(setup.experiment, gpu_of(args[0]), setup.placement)
+    planned = plan.full_scale(setup.experiment, gpu_of(args[0], device), setup.placement)
     per_gpu = round(planned.host_activations / 2**30, 1)
     pool = max(64, math.ceil(per_gpu * (gpus // (nodes * tasks)) * 1.1))
     task = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines()

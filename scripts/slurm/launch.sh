@@ -4,11 +4,18 @@
 # runtime/distributed.py).
 # The experiment brings its own XLA flags; this sets what lies outside a compiled program.
 #
-#   scripts/slurm/launch.sh GPUS_PER_TASK EXPERIMENT [key=value ...]
+#   scripts/slurm/launch.sh GPUS_PER_TASK EXPERIMENT [device=GPU] [key=value ...]
+#
+# device=GPU (gb200, b200, h200, h100) is the study's word for the GPU the plan measures
+# against; the run measures its own devices and is not given it.
 set -euo pipefail
 gpus_per_task=$1
 shift
 python=${PYTHON:-.venv/bin/python}
+run_args=()
+for word in "$@"; do
+    [[ $word == device=* ]] || run_args+=("$word")
+done
 
 # The CUDA build of the pinned jax, installed once here (before srun) if the venv lacks it.
 if ! "$python" -c "import jax_cuda12_plugin" 2>/dev/null; then
@@ -34,4 +41,4 @@ echo "launch: XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION" \
      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 # A task that fails ends the job: the others would wait for it in their next collective.
-exec srun --kill-on-bad-exit=1 "$python" train.py "$@"
+exec srun --kill-on-bad-exit=1 "$python" train.py "${run_args[@]}"
