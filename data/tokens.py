@@ -34,7 +34,8 @@ class SyntheticTokens:
         return rng.integers(0, self.vocab, (batch, seq + 1), dtype=np.int32)
 
     def describe(self) -> str:
-        return "synthetic uniform tokens"
+        return ("synthetic uniform tokens, nothing to learn (text: data.path= a folder python "
+                "train.py prepare wrote; docs/data.md)")
 
 
 class TokenFile:

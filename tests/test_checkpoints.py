@@ -1,7 +1,6 @@
 """Training checkpoints (Orbax): exact resumes, resharding, kill -9 and SIGTERM, export of a
 trained state, bad input."""
 
-from conftest import start_state
 import dataclasses
 import json
 import os
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 
 import train
+from conftest import start_state
 from hf.load import load_checkpoint
 from model import families
 from model.params import abstract_params

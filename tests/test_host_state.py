@@ -2,13 +2,13 @@
 the device, across a checkpoint; the plan and the search that move its bytes to host (the
 compiled GPU program: tests/test_gpu_compile.py, its every-row test); bad input."""
 
-from conftest import start_state
 import dataclasses
 
 import jax
 import pytest
 
 import configs
+from conftest import start_state
 from study.gpus import gpu_of
 from study import plan, search
 from study.search_report import placement_text

@@ -5,7 +5,6 @@ The two processes run tests/multihost_worker.py (train.main, then the sharded im
 this test computes the one-process reference in its own worker (8 devices, conftest.py).
 """
 
-from conftest import start_state
 import json
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ from runtime import checkpoints
 import configs
 import multihost_worker as worker
 from cluster import finish, launch
+from conftest import start_state
 import train
 from hf.load import open_checkpoint
 from runtime import setup as runtime_setup
