@@ -181,3 +181,27 @@ def test_a_prepared_folder_is_checked_against_its_meta(prepared):
     (prepared / "meta.json").write_text(json.dumps({**meta, "splits": splits}))
     with pytest.raises(DataError, match="val.bin holds 5 uint16 tokens, but it has"):
         read_meta(prepared)
+
+
+def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_path, capsys):
+    """train.py on a prepared folder the model cannot use: its vocabulary smaller than the
+    tokenizer's, a meta.json that disagrees with the files, a data.dtype against the folder's,
+    eval_every on a bare token file (no val split): one line, status 2, no run folder."""
+    from conftest import run_cli
+    meta = json.loads((prepared / "meta.json").read_text())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        (broken / name).write_bytes((prepared / name).read_bytes())
+    (broken / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
+    small = ["steps=1", "seq=8", "model.n_layers=1", "quant=none"]
+    cases = [([f"data.path={prepared}", "model.vocab=256"], "does not cover"),
+             ([f"data.path={broken}", "model.vocab=512"], "but it has"),
+             ([f"data.path={prepared}", "model.vocab=512", "data.dtype=uint32"], "data.dtype"),
+             ([f"data.path={prepared / 'train.bin'}", "model.vocab=512", "eval_every=2"],
+              "needs a val split")]
+    for args, said in cases:
+        code, out, err = run_cli(["llama405b-offload", *small, *args], tmp_path / "runs", capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert said in err, err
+        assert not (tmp_path / "runs").exists()
