@@ -118,9 +118,9 @@ def _checkpoint_words(setup, run_dir, first_step: int) -> str:
              if run.checkpoint_every else "off")
     words = f"{every}; on SIGTERM or Ctrl-C at the next step boundary; {run_dir.checkpoints}"
     if run.resume:
-        words += (f"{_INDENT}resume={run.resume}: from "
-                  f"{resume.directory if resume else '?'} at step {first_step - 1} "
-                  "(data continues: batches are a function of (seed, step))")
+        words += (f"{_INDENT}resumed from {resume.directory if resume else run.resume} at step "
+                  f"{first_step - 1} (resume={run.resume}; data continues: batches are a "
+                  "function of (seed, step))")
     return words
 
 

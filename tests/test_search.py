@@ -89,8 +89,8 @@ def test_the_searched_expert_degrees_at_other_cluster_sizes(mesh, degrees):
     device, data, fsdp, expert = mesh
     row = configs.get("deepseek671b-offload")
     row = dataclasses.replace(row, run=dataclasses.replace(
-        row.run, device=device, mesh=configs.MeshConfig(data, fsdp, expert)))
-    assert ps.experts_of(row, "") == degrees
+        row.run, mesh=configs.MeshConfig(data, fsdp, expert)))
+    assert ps.experts_of(row, GPUS[device], "") == degrees
 
 
 def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_mesh():
