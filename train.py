@@ -38,8 +38,7 @@ from trainer.target import Target, this_machine
 
 def train(setup: Setup, target: Target) -> dict:
     """Run the experiment: resolve (done) -> program -> state -> loop -> report. Its summary,
-    with `stopped_by` when a signal ended it early; a loss that is not finite raises
-    NonFiniteLoss."""
+    with `stopped_by` when a signal ended it early; NonFiniteLoss for a loss not finite."""
     run = setup.run
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
         program = Program(setup.model, run, setup.placement, target)
@@ -116,19 +115,6 @@ def compare(name: str, args: list[str], target: Target) -> int:
     return 0
 
 
-def export(argv: list[str]) -> None:
-    if not argv or "=" in argv[0]:
-        raise ConfigError("usage: python train.py export CHECKPOINT hf_dir=DIR "
-                          "[dtype=float32|bfloat16]")
-    options = configs.parse_overrides(argv[1:])
-    if unknown := options.keys() - {"hf_dir", "dtype"}:
-        raise ConfigError(f"export: unknown key {sorted(unknown)[0]!r}; it takes hf_dir, dtype")
-    written = checkpoints.export(argv[0], options.get("hf_dir", ""),
-                                 options.get("dtype", "float32"))
-    print(f"exported {argv[0]} to {written[0].parent}: config.json and {len(written)} "
-          f"safetensors file(s)")
-
-
 def list_experiments() -> None:
     width = max(map(len, [*configs.EXPERIMENTS, *configs.COMPARISONS]))
     for name, experiment in configs.EXPERIMENTS.items():
@@ -173,7 +159,7 @@ def main(argv: list[str]) -> int:
         distributed.initialize()  # before the backend starts: multi-host runs join here
         target = this_machine()  # starts JAX's backend (quietly: runtime/backend.py)
         if what == "export":
-            export(args)
+            checkpoints.export(args)
             return 0
         if what == "sample":
             return sample.main(args)

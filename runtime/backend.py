@@ -1,16 +1,6 @@
 """How JAX starts in this process (trainer/target.py says what a step is built for). Import
 this module before anything else imports JAX; it imports nothing of the project, so everything
-else may import it first. It settles:
-  - A machine without an NVIDIA GPU but with the CUDA plugin installed (the `gpu-compile` extra)
-    runs on the CPU backend and prints what it would without the plugin: the plugin's C++ start-up
-    messages ("Could not find cuda drivers ...", written below Python's sys.stderr) are dropped.
-  - XLA's GPU memory pool takes MEMORY_FRACTION of each GPU unless the environment already
-    says (FRACTION_VARIABLES); plans and compiles measure against that same figure.
-  - All-reduces go to NCCL, not XLA's Triton one-shot kernels (NCCL_ALL_REDUCES, unless
-    XLA_FLAGS already names the setting): jaxlib 0.12.0.1's GPU compiler aborts on a scalar
-    all-reduce over 64 GB200s ("LLVM Fatal Error ... size mismatch when packing elements"),
-    and XLA reads this list-valued setting only from XLA_FLAGS, not from a compile's options.
-"""
+else may import it first. What each setting below does and why: docs/clusters.md."""
 
 import contextlib
 import ctypes.util
@@ -25,6 +15,9 @@ import tempfile
 # more (docs/study.md). The other 5% is for the CUDA context and NCCL's buffers.
 MEMORY_FRACTION = 0.95
 FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+# jaxlib 0.12.0.1's GPU compiler aborts on a scalar all-reduce over 64 GB200s ("LLVM Fatal Error
+# ... size mismatch when packing elements") in XLA's Triton one-shot kernels; XLA reads this
+# list-valued setting only from XLA_FLAGS, not from a compile's options.
 NCCL_ALL_REDUCES = "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"
 _CUDA_STUB_NOISE = re.compile(r"absl::InitializeLog\(\) is called|cudart_stub\.cc.*cuda drivers")
 
@@ -47,13 +40,10 @@ def memory_fraction() -> tuple[float, str]:
     """(the share of each GPU's memory XLA's pool takes, the variable that says so)."""
     for name in FRACTION_VARIABLES:
         if value := os.environ.get(name):
-            try:
-                fraction = float(value)
-            except ValueError:
-                fraction = -1.0
-            if not 0 < fraction <= 1:
-                raise BackendError(f"{name}={value!r}: expected a fraction in (0, 1]")
-            return fraction, name
+            with contextlib.suppress(ValueError):
+                if 0 < float(value) <= 1:
+                    return float(value), name
+            raise BackendError(f"{name}={value!r}: expected a fraction in (0, 1]")
     return MEMORY_FRACTION, FRACTION_VARIABLES[0]
 
 
@@ -98,7 +88,7 @@ def explained_compile():
     return captured_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line) else line)
 
 
-if has_cuda_plugin() and not has_gpu():
+if has_cuda_plugin() and not has_gpu():  # the `gpu-compile` extra on a machine without a GPU
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not any(os.environ.get(name) for name in FRACTION_VARIABLES):
     os.environ[FRACTION_VARIABLES[0]] = str(MEMORY_FRACTION)

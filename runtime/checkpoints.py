@@ -1,9 +1,6 @@
-"""Training checkpoints with Orbax: asynchronous sharded saves, exact resumes, stops on request.
-
-A checkpoint is a step folder of an Orbax `CheckpointManager` directory: `params`, `optimizer` (its
-state and the step counter; each process writes its own shards) and `meta` (`run_meta`, JSON). Every
-batch is a function of (seed, step), so the step is the data position. Orbax renames a step's
-temporary folder once complete: a save cut short (kill -9) leaves no step to pick."""
+"""Training checkpoints with Orbax (docs/checkpoints.md): asynchronous sharded saves, exact
+resumes, stops on request. A checkpoint is a step folder of a `CheckpointManager` directory:
+`params`, `optimizer` (its state and the step counter) and `meta` (`run_meta`, JSON)."""
 
 import dataclasses
 import json
@@ -19,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from configs import ConfigError, RunConfig
+from configs import ConfigError, RunConfig, parse_overrides
 from hf.config import from_hf, to_hf
 from hf.save import DTYPES, write_checkpoint
 from model import families
@@ -35,8 +32,7 @@ ocp.type_handlers.register_type_handler(
 _absl.setLevel(_level)
 
 # Settings that change the trained numbers (declared resume="same", configs/__init__.py): a
-# resume must match them. The rest (placement, mesh and device count, kernels, XLA flags,
-# evaluation, output, profiling) may change between runs.
+# resume must match them; the rest may change between runs.
 _SAME_ON_RESUME = [f.name for f in dataclasses.fields(RunConfig) if f.metadata["resume"] == "same"]
 
 
@@ -135,8 +131,7 @@ def find(target: str, out_dir: str, run_prefix: str, said: str = "resume=") -> S
 
 
 def check_folder(said: str, folder: str) -> None:
-    """A folder to write in (`said`: how the command line gave it): it, or the nearest of its
-    parents that exists, a writable folder."""
+    """`folder`, or its nearest parent that exists, a writable folder (`said`: as given)."""
     existing = next(p for p in (Path(folder), *Path(folder).parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"{said}: {existing} is a file, not a folder")
@@ -166,13 +161,6 @@ def check_outputs(setup, batch_size: int) -> Source | None:
     return None
 
 
-def _everywhere(ok: bool) -> bool:
-    """Whether `ok` holds on every process (each may read its own shards only)."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
-
-
 def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
     """(state, meta) of `source`'s newest step that reads back, resharded onto `abstract_state`'s
     shardings; unless a step was named, an unreadable one is reported and the one before tried."""
@@ -185,7 +173,10 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
                         optimizer=ocp.args.StandardRestore(optimizer), meta=ocp.args.JsonRestore())
         except CheckpointNotFound as e:
             problem = str(e)
-        if _everywhere(got is not None):  # every process falls back or fails together
+        read = got is not None
+        if jax.process_count() > 1:  # each reads its own shards: all fall back or fail together
+            read = bool(np.all(multihost_utils.process_allgather(np.array(read))))
+        if read:
             return {"params": got["params"], **got["optimizer"]}, got["meta"]
         if source.named_step or step == source.steps[-1]:
             raise CheckpointNotFound(problem) from None
@@ -195,10 +186,21 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
 
 
 def read_params(source: Source, abstract_params) -> tuple[dict, dict]:
-    """(params, meta) of the newest step: for export, without the optimizer state."""
+    """(params, meta) of the newest step, without the optimizer state."""
     got = _read(source.directory / str(source.steps[0]),
                 params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
     return got["params"], got["meta"]
+
+
+def host_params(source: Source, meta: dict) -> tuple[object, dict]:
+    """(model config, params) of the newest step (`meta` its settings), on one CPU device: a
+    GPU would not hold a whole large model."""
+    cfg = from_hf(meta["hf_config"])
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+                            abstract_params(families.of(cfg).param_specs(cfg),
+                                            meta["run"]["param_dtype"]))
+    return cfg, read_params(source, abstract)[0]
 
 
 class Saver:
@@ -232,10 +234,9 @@ class Saver:
 
 
 class StopRequests:
-    """While open, SIGTERM (a scheduler's preemption notice) or Ctrl-C asks the run to stop at
-    the next step boundary, after a final checkpoint; a second Ctrl-C stops at once. With
-    several processes, JAX's preemption service (it handles SIGTERM itself) makes every
-    process stop at the same step, and Ctrl-C keeps its usual meaning."""
+    """While open, SIGTERM or Ctrl-C asks the run to stop at the next step boundary, after a
+    final checkpoint; a second Ctrl-C stops at once. With several processes, JAX's preemption
+    service (it handles SIGTERM itself) stops every process at the same step."""
 
     def __init__(self):
         self.signal, self.previous = None, {}
@@ -262,8 +263,16 @@ class StopRequests:
             signal.signal(s, handler)
 
 
-def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
-    """`target`'s parameters written to `hf_dir` as a Hugging Face checkpoint; the files written."""
+def export(argv: list[str]) -> None:
+    """`python train.py export CHECKPOINT hf_dir=DIR [dtype=...]`: the checkpoint's parameters
+    written as a Hugging Face checkpoint."""
+    if not argv or "=" in argv[0]:
+        raise ConfigError("usage: python train.py export CHECKPOINT hf_dir=DIR "
+                          "[dtype=float32|bfloat16]")
+    options = parse_overrides(argv[1:])
+    if unknown := options.keys() - {"hf_dir", "dtype"}:
+        raise ConfigError(f"export: unknown key {sorted(unknown)[0]!r}; it takes hf_dir, dtype")
+    target, hf_dir, dtype = argv[0], options.get("hf_dir", ""), options.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
     if not hf_dir:
@@ -276,12 +285,7 @@ def export(target: str, hf_dir: str, dtype: str) -> list[Path]:
         raise ConfigError("export needs the checkpoint's path (a run folder, a checkpoint "
                           "directory or one step folder), not latest")
     source = find(target, "", "", "export ")
-    meta = source.meta(source.steps[0])
-    cfg = from_hf(meta["hf_config"])
-    # On the host's memory: a GPU would not hold a whole large model.
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
-        abstract_params(families.of(cfg).param_specs(cfg), meta["run"]["param_dtype"]))
-    params, _ = read_params(source, abstract)
-    return write_checkpoint(out, cfg, jax.tree.map(np.asarray, params), dtype)
+    cfg, params = host_params(source, source.meta(source.steps[0]))
+    written = write_checkpoint(out, cfg, jax.tree.map(np.asarray, params), dtype)
+    print(f"exported {target} to {written[0].parent}: config.json and {len(written)} "
+          f"safetensors file(s)")

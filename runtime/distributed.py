@@ -1,13 +1,7 @@
-"""Joining a multi-host JAX cluster: JAX's own detection, plus what `jax.distributed.initialize`
-lacks: gloo collectives between CPU processes, a bounded wait for the others, a taken coordinator
-port named before JAX binds it, a one-line ConfigError (exit status 2), not a hang or C++ abort.
-
-Launches are those JAX detects (a SLURM job step, Open MPI, ...; JAX_COORDINATOR_ADDRESS and
-JAX_LOCAL_DEVICE_IDS override what it finds), and an explicit one: JAX_COORDINATOR_ADDRESS,
-JAX_NUM_PROCESSES and JAX_PROCESS_ID, all three (JAX reads only the address). A detected
-process uses its local rank's GPU (JAX's rule; the batch scripts start one process per GPU).
-A batch script's own commands (the plan before its srun) stay single processes: only a job
-step sets the variables JAX's SLURM detection reads."""
+"""Joining a multi-host JAX cluster (docs/clusters.md: the launches): JAX's own detection, plus
+what `jax.distributed.initialize` lacks: gloo collectives between CPU processes, a bounded wait
+for the others, a taken coordinator port named before JAX binds it, a one-line ConfigError
+(exit status 2), not a hang or C++ abort."""
 
 import dataclasses
 import errno
@@ -31,6 +25,7 @@ DEFAULT_TIMEOUT_S = 300
 # JAX's own deadline stays later than ours: when it passes, XLA aborts the process with a
 # C++ stack trace instead of raising.
 _JAX_GRACE_S = 30
+# An explicit launch sets all three (JAX reads only the address).
 EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 

@@ -133,28 +133,23 @@ def _output_words(setup, run_dir) -> str:
     return words
 
 
-def _memory_words(program) -> str:
-    """What the compiled program holds per device, against the pool where there is one."""
-    compiled, target = CompiledMemory.of(program.step), program.target
-    words = f"{compiled.device / GiB:.2f} GiB per device"
-    if pool := target.pool_bytes():
-        fraction, variable = backend.memory_fraction()
-        words += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
-    return words + (f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
-                    if target.platform == "gpu" else "")
-
-
 def lines(setup, program, run_dir, flops: float, first_step: int) -> list[str]:
     """The header (the program compiled), then where each offloaded activation lives."""
-    rows = settings_rows(setup, program.target, program.options, run_dir, first_step)
-    rows["memory"] = _memory_words(program)
+    compiled, target = CompiledMemory.of(program.step), program.target
+    rows = settings_rows(setup, target, program.options, run_dir, first_step)
+    rows["memory"] = f"{compiled.device / GiB:.2f} GiB per device"
+    if pool := target.pool_bytes():
+        fraction, variable = backend.memory_fraction()
+        rows["memory"] += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
+    if target.platform == "gpu":
+        rows["memory"] += f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
     rows["compile"] = (f"{program.compile_s:.1f} s (the step"
                        + (" and the evaluation" if setup.run.eval_every else "")
                        + f"); model {flops / 1e12:,.2f} TFLOP per device per step "
                        "(MaxText's formula)")
     out = ["=" * 100, *(f"{key:<11} {rows[key]}" for key in ROWS if key in rows)]
     if offloaded := own_program.offloaded(program.traced.jaxpr):
-        hlo = program.step.as_text() if program.target.platform == "gpu" else None
+        hlo = program.step.as_text() if target.platform == "gpu" else None
         out += ["-" * 100, "offloaded, per layer and device, in this run's compiled program:",
                 *own_program.placement_lines(offloaded, hlo)]
     return [*out, "=" * 100]

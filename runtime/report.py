@@ -85,22 +85,6 @@ class NonFiniteLoss(ArithmeticError):
     """A step's loss is NaN or infinite: the run stops (exit status 1)."""
 
 
-class TensorBoard:
-    """The step and eval metrics as TensorBoard scalars in <run>/tensorboard, each under its
-    metrics.jsonl name (tensorboardX, imported only here: an optional extra)."""
-
-    def __init__(self, folder: Path):
-        from tensorboardX import SummaryWriter
-        self.writer = SummaryWriter(str(folder))
-
-    def write(self, step: int, values: dict) -> None:
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class StepLog:
     """Each step's line (process 0), metrics.jsonl record and TensorBoard scalars, its time
     counted from the previous step's completion, an evaluation's time not counted; with
@@ -115,10 +99,12 @@ class StepLog:
         self.entropy = setup.data.unigram_entropy
         last = min(first_step + 3, setup.run.steps)
         self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
-        self.tensorboard = (TensorBoard(run_dir.path / "tensorboard")
-                            if setup.run.tensorboard and run_dir.main else None)
+        self.tensorboard = None
+        if setup.run.tensorboard and run_dir.main:
+            from tensorboardX import SummaryWriter  # imported only here: an optional extra
+            self.tensorboard = SummaryWriter(str(run_dir.path / "tensorboard"))
         self.times: list[float] = []
-        self.eval_loss: float | None = None
+        self.evaluated: dict[str, float] = {}  # the last evaluation's eval_* values
         self.last = time.perf_counter()
 
     @classmethod
@@ -154,13 +140,15 @@ class StepLog:
         values |= {"step_s": seconds, "tokens_per_s": self.tokens / seconds,
                    "tflops_per_device": self.flops / seconds / 1e12}
         if evaluation is not None:
-            self.eval_loss = values["eval_loss"] = evaluation()
-            values["eval_perplexity"] = math.exp(min(self.eval_loss, 700))
+            loss = evaluation()
+            self.evaluated = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))}
+            values |= self.evaluated
             self.last = time.perf_counter()
         say(self._line(step, values))
         self.run_dir.append("metrics.jsonl", {"step": step, **values})
         if self.tensorboard:
-            self.tensorboard.write(step, values)
+            for name, value in values.items():
+                self.tensorboard.add_scalar(name, value, step)
 
     def _line(self, step: int, values: dict) -> str:
         eta = statistics.median(self.times) * (self.run.steps - step)
@@ -194,10 +182,8 @@ class StepLog:
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "host_offload_bytes_planned": self.host_planned,
         }
-        if self.eval_loss is not None:
-            result |= {"eval_loss": self.eval_loss,
-                       "eval_perplexity": math.exp(min(self.eval_loss, 700)),
-                       "unigram_entropy": self.entropy}
+        if self.evaluated:
+            result |= {**self.evaluated, "unigram_entropy": self.entropy}
         peak = (_fmt_bytes(result["peak_device_bytes"]) if stats
                 else f"not reported by the {jax.default_backend()} backend")
         say("-" * 100)
@@ -211,8 +197,8 @@ class StepLog:
             f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
             f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded "
             f"activations {_fmt_bytes(self.host_planned)} per device (planned)")
-        if self.eval_loss is not None:
-            say(f"eval        loss {self.eval_loss:.4f} nats/token (perplexity "
+        if self.evaluated:
+            say(f"eval        loss {result['eval_loss']:.4f} nats/token (perplexity "
                 f"{result['eval_perplexity']:,.1f}) after step {last}; the train split's "
                 f"unigram entropy: {self.entropy:.4f} nats/token")
         self.run_dir.write("summary.json", result)

@@ -122,9 +122,7 @@ def start_state(program: Program, setup: Setup) -> tuple[dict, int]:
 
 
 def check_machine(program: Program, offloads: bool) -> None:
-    """What this machine must have for the program: with optimizer_state=host, pinned host
-    memory and room for the state twice over (it and its new copy, during the update); on a
-    GPU whose run offloads activations, a jax that reads them back in the right layer order."""
+    """What this machine must have for the program, checked before step 1."""
     target = program.target
     if program.run.optimizer_state == "host":
         kinds = {m.kind for m in target.devices[0].addressable_memories()}
@@ -154,10 +152,9 @@ def _probe_gradient(policy, weights, x):
 
 
 def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
-    """Whether this jax reads offloaded activations back from the layer that wrote them: a scan
-    whose layers each offload one value must have the gradient of one that keeps them on the
-    device. jaxlib 0.10.2 and 0.11.0 read them back in the wrong order on GPUs (openxla/xla
-    #46231)."""
+    """Whether a scan whose layers each offload one value has the gradient of one that keeps
+    them on the device: jaxlib 0.10.2 and 0.11.0 read them back from the wrong layers on GPUs
+    (openxla/xla #46231)."""
     offload = activations.checkpoint_policy({"probe": "offload"})
     keys = jax.random.split(jax.random.key(0), 2)
     weights = jax.random.normal(keys[0], (layers, 8, 128), jnp.float32)
