@@ -1,9 +1,7 @@
 """DeepSeek-V3 decoder (the reference `DeepseekV3ForCausalLM`'s numerics, docs/model.md): MLA
 in every layer, a dense SwiGLU in the first `n_dense_layers`, routed + shared experts after;
-the dense and the MoE layers are two scans, each with its own checkpoint policy.
-
-Letters as in the README; tags use MaxText's names and positions.
-"""
+the dense and the MoE layers are two scans, each with its own checkpoint policy. Letters as in
+the README; tags use MaxText's names and positions."""
 
 import math
 from functools import partial
@@ -54,21 +52,17 @@ def _attention_specs(cfg: DeepSeekConfig) -> dict:
             "mlp_norm": ParamSpec((D,), ("embed",))}
 
 
-def _moe_specs(cfg: DeepSeekConfig) -> dict:
-    D, E, F = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
-    # The router is small and every device routes its own tokens: not sharded by expert.
-    return {"router": ParamSpec((D, E), ("embed", None), D**-0.5),
-            "router_bias": ParamSpec((E,), (None,), 0.0),  # selection only; no gradient
-            "we_gate": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
-            "we_up": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
-            "we_down": ParamSpec((E, F, D), ("experts", "mlp", "expert_embed"), F**-0.5),
-            **swiglu_specs(D, cfg.n_shared_experts * F)}  # the shared experts, as one SwiGLU
-
-
 def param_specs(cfg: DeepSeekConfig) -> dict:
-    D, V = cfg.d_model, cfg.vocab
+    D, V, E, F = cfg.d_model, cfg.vocab, cfg.n_experts, cfg.moe_d_ff
     dense = {**_attention_specs(cfg), **swiglu_specs(D, cfg.d_ff)}
-    moe = {**_attention_specs(cfg), **_moe_specs(cfg)}
+    # The router is small and every device routes its own tokens: not sharded by expert.
+    moe = {**_attention_specs(cfg),
+           "router": ParamSpec((D, E), ("embed", None), D**-0.5),
+           "router_bias": ParamSpec((E,), (None,), 0.0),  # selection only; no gradient
+           "we_gate": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
+           "we_up": ParamSpec((E, D, F), ("experts", "expert_embed", "mlp"), D**-0.5),
+           "we_down": ParamSpec((E, F, D), ("experts", "mlp", "expert_embed"), F**-0.5),
+           **swiglu_specs(D, cfg.n_shared_experts * F)}  # the shared experts, as one SwiGLU
     return {"embed": ParamSpec((V, D), ("vocab", "embed"), 1.0),
             "dense_layers": {k: stack(s, cfg.n_dense_layers) for k, s in dense.items()},
             "moe_layers": {k: stack(s, cfg.n_moe_layers) for k, s in moe.items()},
@@ -77,8 +71,7 @@ def param_specs(cfg: DeepSeekConfig) -> dict:
 
 
 def softmax_scale(cfg: DeepSeekConfig) -> float:
-    """d_qk^-1/2, times m(factor, mscale_all_dim)^2 under YaRN (on every logit, as the
-    reference)."""
+    """d_qk^-1/2, times m(factor, mscale_all_dim)^2 under YaRN on every logit, as the reference."""
     scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5
     yarn = cfg.rope_scaling
     if yarn is not None and yarn.mscale_all_dim:
@@ -95,8 +88,7 @@ def _rope(x, cos, sin, interleave: bool):
 
 
 def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=None):
-    """Multi-head latent attention, expanded as the reference computes it: [B, T, D] ->
-    [B, T, D]."""
+    """Multi-head latent attention as the reference computes it: [B, T, D] -> [B, T, D]."""
     if cfg.q_lora_rank is None:
         q = einsum("btd,dnh->btnh", x, w["wq"])
     else:
@@ -123,9 +115,8 @@ def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=
 
 
 def route(x, router, bias, cfg: DeepSeekConfig):
-    """The reference DeepSeek-V3 router on tokens x [S, D] (fp32 throughout): (weights [S, k] fp32,
-    experts [S, k] int32, scores [S, E]). Sigmoid scores; the bias only steers selection;
-    groups score by the sum of their two best; weights come from the unbiased scores."""
+    """The reference DeepSeek-V3 router (docs/model.md) on tokens x [S, D], in fp32 throughout:
+    (weights [S, k] fp32, experts [S, k] int32, scores [S, E])."""
     scores = jax.nn.sigmoid(jnp.einsum("sd,de->se", x.astype(jnp.float32),
                                        router.astype(jnp.float32)))
     choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
@@ -152,13 +143,12 @@ def balance_loss(scores, experts, batch: int, n_experts: int):
 
 
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
-UNQUANTIZED = ("router", *EXPERT_WEIGHTS)  # matrices kept out of NVFP4
+UNQUANTIZED = ("router", *EXPERT_WEIGHTS)  # out of NVFP4, as MaxText's TE path leaves grouped GEMMs
 
 
 def _routed(x, w, cfg: DeepSeekConfig, expert_path: str, parallel: ExpertParallel | None,
             axis: str | None):
-    """Tokens x [B, T, D] through the router and their experts: (output, load [E], balance,
-    pairs dropped per expert [E])."""
+    """The routed half of `moe` on x [B, T, D]: (output, load [E], balance, dropped [E])."""
     B, T, D = x.shape
     tokens = x.reshape(B * T, D)
     weights, experts, scores = route(tokens, w["router"], w["router_bias"], cfg)
@@ -232,11 +222,8 @@ def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
 
 def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None):
     """The decoder trunk, as `llama.trunk`: tokens [B, T] -> (the last layer's output [B, T, D],
-    before the final norm; `moe`'s statistics of each MoE layer, stacked [L_moe, ...]). Its two
-    scans (SCANS) each take their policy from `options`; the routed experts run by
-    `options.experts` or, split over the devices of the `exchange` axis, by
-    `options.expert_parallel`; NVFP4 leaves the router and the routed experts (grouped GEMMs,
-    as in MaxText's TE path) out."""
+    before the final norm; `moe`'s statistics of each MoE layer, stacked [L_moe, ...]), its two
+    scans (SCANS) each under their checkpoint policy in `options`."""
     dtype, rules, quantization = jnp.dtype(options.dtype), options.rules, options.quantization
     cos, sin = rope_for(cfg, tokens.shape[1], dtype)
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dtype), rules,
@@ -265,8 +252,7 @@ def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None
 
 def forward(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions = ForwardOptions(),
             key=None):
-    """tokens [B, T] -> (logits [B, T, V] fp32, the MoE statistics): `trunk`, the final norm
-    and the LM head."""
+    """tokens [B, T] -> (logits [B, T, V] fp32, MoE statistics): `trunk`, final norm, LM head."""
     x, stats = trunk(params, tokens, cfg, options, key)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 

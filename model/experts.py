@@ -1,8 +1,7 @@
 """Routed experts on one device's tokens: every expert densely, sorted grouped GEMMs, or
 split over the devices of one mesh axis (expert parallelism) with a fixed-size block per
 expert, exchanged by all-to-alls inside that axis. Letters: docs/model.md (S a device's tokens,
-P devices, C rows per block, l a device's own experts).
-"""
+P devices, C rows per block, l a device's own experts)."""
 
 import dataclasses
 import math

@@ -9,4 +9,3 @@ FAMILIES = (llama, deepseek)
 
 def of(cfg):
     return next(family for family in FAMILIES if isinstance(cfg, family.CONFIG))
-

@@ -1,6 +1,5 @@
 """A layer matrix's GEMMs in NVFP4 on model/quant.py's encoding: Transformer Engine's training
-recipe (`NVFP4BlockScaling`, see `matmul`), or its forward alone. Rules and sources: docs/model.md.
-"""
+recipe (`NVFP4BlockScaling`, see `matmul`) or its forward alone; rules, sources: docs/model.md."""
 
 import dataclasses
 import math
@@ -57,9 +56,8 @@ def tiled(codes: jax.Array, tile_scales: jax.Array, tensor_scale: jax.Array,
 def block_scaled_matmul(a: NVFP4Tensor, b: NVFP4Tensor, path: str, dtype) -> jax.Array:
     """a [R, K] times b [C, K] transposed -> [R, C] in `dtype`, both 16-blocks along K, by
     `path` (`Quantization`; dequantizing is exact: an E2M1 code times an E4M3 scale has at most
-    6 significant bits). Both accumulate in f32 and round to `dtype` (the GEMM's output stays
-    [R, C] in the compute dtype, never f32), then the tensor scales multiply, in f32 (XLA fuses
-    that into the consumer)."""
+    6 significant bits). Both accumulate in f32 and round to `dtype` (never an f32 [R, C]),
+    then the tensor scales multiply, in f32 (XLA fuses that into the consumer)."""
     if a.axis != 1 or b.axis != 1:
         raise ValueError("block_scaled_matmul takes operands blocked along their last axis")
     if path == "scaled":
@@ -80,14 +78,11 @@ def block_scaled_matmul(a: NVFP4Tensor, b: NVFP4Tensor, path: str, dtype) -> jax
 def matmul(x: jax.Array, w: jax.Array, key: jax.Array, recipe: Quantization, gathered=None):
     """x [M, K] times w [K, N] -> [M, N] in x's dtype, the forward GEMM in NVFP4: x in 1x16
     blocks along K, w in 16x16 tiles (`recipe.two_d`, else 1x16 blocks), both rounded to
-    nearest. The backward (`recipe.backward`), Transformer Engine's recipe (docs/model.md):
-      "fp4"  Dgrad: dy (1x16 along N, stochastic rounding) times the forward's quantized w,
-             transposed; Wgrad: x^T times dy, both rotated by the Hadamard transform along
-             the tokens M and quantized 1x16 along them, dy stochastically;
-      "bf16" both in x's dtype on the unquantized x and w (JAX's own NVFP4 recipe).
-    Gradients pass the quantization straight through; `key` draws the rounding bits. With
-    `gathered` (a sharding), w is quantized where it lies and its codes and scales are
-    gathered to it once, for the forward and the backward."""
+    nearest. The backward (`recipe.backward`): "fp4", Transformer Engine's recipe (each GEMM's
+    operands and rounding: docs/model.md); "bf16", both GEMMs in x's dtype on the unquantized
+    x and w (JAX's own NVFP4 recipe). Gradients pass the quantization straight through; `key`
+    draws the rounding bits. With `gathered` (a sharding), w is quantized where it lies and its
+    codes and scales are gathered to it once, for the forward and the backward."""
     return _forward(x, w, key, recipe, gathered)[0]
 
 
@@ -112,8 +107,7 @@ def _forward(x, w, key, recipe, gathered):
 
 def random_bits(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """uint32 bits for stochastic rounding, a keyed hash of each element's index (two rounds
-    of the "lowbias32" integer mixer): a few integer operations per element, which XLA fuses
-    into the quantization that reads them, where threefry takes far more and its own kernel."""
+    of the "lowbias32" integer mixer), which XLA fuses into the quantization, unlike threefry."""
     seed = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)
 
     def mix(v):

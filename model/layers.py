@@ -74,8 +74,7 @@ def rope_tables(seq_len: int, freqs: np.ndarray, dtype, factor: float = 1.0):
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on [B, T, heads, H]: dimension i pairs with i + H/2 (the reference's
-    layout)."""
+    """Rotate-half RoPE on [B, T, heads, H]: dimension i pairs with i + H/2 (the reference's)."""
     first, second = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)
     return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
@@ -86,10 +85,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     """softmax(q k^T * scale) v, causal (scale 1/sqrt(H) by default); q [B,T,N,H], k [B,S,K,H],
     v [B,S,K,H'] with H' <= H. Query head n reads kv head n // (N/K), the reference's
     repeat-interleave GQA mapping; the softmax runs in fp32. `implementation="cudnn"` (GPUs,
-    bf16) is cuDNN's fused flash kernel, which never stores the [B, N, T, S] scores and takes a
-    narrower v as it is (MLA: 192 for q and k, 128 for v). None is XLA's reference path (JAX
-    0.12 does not pick cuDNN by itself), which wants one head dim: a narrower v is padded with
-    zero columns, whose outputs are zero and sliced off."""
+    bf16) is cuDNN's fused flash kernel, which takes a narrower v as it is (docs/model.md);
+    None is XLA's path, which wants one head dim: a narrower v is padded with zero columns,
+    whose outputs are zero and sliced off."""
     if implementation == "cudnn":
         # JAX 0.12's public dot_product_attention refuses H' != H before reaching this
         # kernel, which supports it (cuDNN >= 9.10 on Hopper and later).

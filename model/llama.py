@@ -1,10 +1,6 @@
 """Llama-3.1 decoder (the reference `LlamaForCausalLM`'s numerics, docs/model.md), its layers
-run under lax.scan.
-
-Letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff,
-V vocab, L layers. Tags (`checkpoint_name`) use MaxText's names and positions, so a
-checkpoint policy can keep, offload or recompute each tensor by name.
-"""
+run under lax.scan. Letters as in the README; tags (`checkpoint_name`) use MaxText's names and
+positions, so a checkpoint policy can keep, offload or recompute each tensor by name."""
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +64,7 @@ def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
     """The decoder trunk (embedding, then the layers): tokens [B, T] int -> (the last layer's
     output [B, T, D], before the final norm; {}). Each layer of the scan "layers" runs under
     its checkpoint policy in `options`, its weights cast to the compute dtype and, under
-    NVFP4, its matrices multiplied in FP4 (embeddings and LM head stay as they are), `key`
-    drawing an FP4 backward's rounding bits."""
+    NVFP4, its matrices multiplied in FP4, `key` drawing an FP4 backward's rounding bits."""
     dtype, rules, quantization = jnp.dtype(options.dtype), options.rules, options.quantization
     cos, sin = rope_tables(tokens.shape[1], rope_frequencies(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), dtype)

@@ -13,12 +13,9 @@ from model.sharding import AxisRules
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One parameter before it exists: shape, logical axes and how to initialise it."""
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     std: float | None = None  # normal(0, std), zeros for 0; None means ones (norm weights)
-
-
 
 
 def stack(spec: ParamSpec, n: int) -> ParamSpec:
@@ -52,5 +49,3 @@ def init_params(specs, rules: AxisRules, key: jax.Array, dtype=jnp.float32):
                 else s.std * jax.random.normal(k, s.shape, dtype) for s, k in zip(leaves, keys)]
 
     return jax.tree.unflatten(treedef, make(key))
-
-

@@ -7,8 +7,7 @@ The encoding is Transformer Engine's quantize kernel (`core_nvfp4.cuh`), in FP32
   code = e2m1(clip(x * min(1 / (block scale * S_dec), FLT_MAX), -6, 6)), S_dec = 1 / S_enc,
 so x ~ code * block scale * S_dec. Blocks run along the contraction axis (`axis`), because a
 block-scaled GEMM multiplies 16-element slices of K. TE's weight recipe takes one scale per 16x16
-tile (`two_d`), so that W and W^T quantize to the same values. Rules and sources: docs/model.md.
-"""
+tile (`two_d`), so that W and W^T quantize alike. Rules and sources: docs/model.md."""
 
 import dataclasses
 import math
@@ -95,13 +94,6 @@ def split_blocks(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] // BLOCK, BLOCK) + x.shape[axis + 1:])
 
 
-def _encode_scale(x: jax.Array) -> jax.Array:
-    """S_enc = 2688 / amax (f32 scalar), at most FLT_MAX; 1 when amax is 0, inf or NaN."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    s_enc = jnp.minimum(E4M3_MAX * E2M1_MAX / amax, FLT_MAX)
-    return jnp.where((amax == 0) | (s_enc == 0) | jnp.isnan(s_enc), 1.0, s_enc)
-
-
 def _block_amax(x: jax.Array, axis: int, two_d: bool) -> jax.Array:
     """Max |x| per 16-element block along `axis`; with `two_d`, per 16x16 tile, repeated."""
     amax = jnp.max(jnp.abs(split_blocks(x, axis)), axis=axis + 1)
@@ -145,7 +137,10 @@ def quantize(w: jax.Array, axis: int, two_d: bool = False, bits: jax.Array | Non
     E2M1 value is exact in bf16; a CPU converts to and from E2M1 in software)."""
     axis = _checked_axis(w.shape, axis, two_d)
     x = w.astype(jnp.float32)
-    s_enc = _encode_scale(x)
+    amax = jnp.max(jnp.abs(x))
+    # S_enc = 2688 / amax, at most FLT_MAX; 1 when amax is 0, inf or NaN.
+    s_enc = jnp.minimum(E4M3_MAX * E2M1_MAX / amax, FLT_MAX)
+    s_enc = jnp.where((amax == 0) | (s_enc == 0) | jnp.isnan(s_enc), 1.0, s_enc)
     s_dec = 1 / s_enc
     scale = _block_amax(x, axis, two_d) * (s_enc * (1 / E2M1_MAX))
     # E4M3 has no inf: anything above 464 would cast to NaN.

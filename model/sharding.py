@@ -13,14 +13,11 @@ MeshAxes = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class AxisRules:
-    """Logical axis name -> mesh axis (or axes, or None for replicated).
-
-    Model code names what an axis *is* (batch, embed, heads); only this table says which mesh
-    axis shards it, so a new parallelism is one edited default, not edits across the model.
-    FSDP: weights are sharded along `embed`, activations along `batch`, over the same devices.
-    Expert parallelism (`experts`, `exchange`): the routed experts split over `expert` and
-    FSDP-sharded over `fsdp`; every other weight is sharded over both. A mesh may leave out an
-    axis it does not split (a mesh of data x fsdp is expert parallelism of 1)."""
+    """Logical axis name -> mesh axis (or axes, or None for replicated): a new parallelism is
+    one edited default, not edits across the model. FSDP: weights are sharded along `embed`,
+    activations along `batch`, over the same devices. Expert parallelism (`experts`,
+    `exchange`): the routed experts split over `expert` and FSDP-sharded over `fsdp`; every
+    other weight is sharded over both."""
     batch: MeshAxes = ("data", "fsdp", "expert")
     seq: MeshAxes = None
     embed: MeshAxes = ("fsdp", "expert")
@@ -32,9 +29,8 @@ class AxisRules:
     latent: MeshAxes = None  # MLA's low-rank latents, as outputs
     lora: MeshAxes = ("fsdp", "expert")  # the same latents as the input of up-projections
     # The routed-expert weights' expert axis, at rest: the expert groups' share of the experts,
-    # FSDP-sharded along the same axis (MaxText's shard_exp_on_fsdp). Gathered for a layer,
-    # it is the major axis of the stack, so XLA needs no transposed copy of the stack to
-    # concatenate it (sharded along their width, it keeps one: docs/placement.md).
+    # FSDP-sharded along the same axis (MaxText's shard_exp_on_fsdp), so a layer gathers along
+    # the stack's major axis and XLA keeps no transposed copy of the stack (docs/study.md).
     experts: MeshAxes = ("expert", "fsdp")
     expert_embed: MeshAxes = None  # their embed axis
     exchange: MeshAxes = "expert"  # the devices of one expert group, which exchange tokens
@@ -52,7 +48,7 @@ class AxisRules:
         return PartitionSpec(*mapped)
 
     def _present(self, axes: MeshAxes) -> MeshAxes:
-        """`axes` less those the mesh does not have (a mesh without an axis is it at size 1)."""
+        """`axes` less those the mesh lacks (a mesh of data x fsdp is expert parallelism of 1)."""
         if axes is None or self.mesh is None:
             return axes
         kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
@@ -70,5 +66,3 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> M
 
 def constrain(x: jax.Array, rules: AxisRules | None, logical: tuple[str | None, ...]):
     return x if rules is None else jax.lax.with_sharding_constraint(x, rules.sharding(logical))
-
-
