@@ -1,8 +1,7 @@
 """Run configs, named experiments, and `key=value` overrides. No JAX import (see model.config).
 
 An experiment is a full-scale model and run (the study's setting) plus a proxy: the same family
-at a size a laptop's CPU trains (docs/runs.md). `scale=auto` picks whichever the machine can run.
-"""
+at a size a laptop's CPU trains (docs/runs.md). `scale=auto` picks whichever the machine can run."""
 
 import dataclasses
 import math
@@ -20,12 +19,10 @@ DTYPES = ("bfloat16", "float32", "float16")
 SCALES = ("auto", "full", "proxy")
 
 
-def setting(default, allowed: str | tuple | None = None, *, resume: str = "free",
-            shown: str = ""):
+def setting(default, allowed: str | tuple | None = None, *, resume: str = "free", shown: str = ""):
     """A run field declared once, beside it: `allowed`, its range (">= 1"; what a special value
     means in brackets) or its choices (a tuple); `resume` "same" where a resume must keep it (it
-    changes the trained numbers: runtime/checkpoints.py); `shown`, the run header's row that
-    shows it (runtime/report.py). A group's leaves declare their ranges; the group, the rest."""
+    changes the trained numbers: runtime/checkpoints.py); `shown`, its row in runtime/header.py."""
     value = {"default_factory": default} if default is dict else {"default": default}
     return dataclasses.field(**value, metadata={"allowed": allowed, "resume": resume,
                                                 "shown": shown})
@@ -47,8 +44,7 @@ class OptimizerConfig:
 class MeshConfig:
     """Device mesh: `data` replicas (e.g. slices over the data-centre network) x `fsdp` shards
     x `expert` shards, the innermost (trainer/program.py's mesh_of). Weights are sharded over
-    fsdp x expert, except the routed experts: split over `expert` (E/expert each) and sharded
-    over `fsdp`; tokens over all three. fsdp=-1 takes all the devices the others leave."""
+    fsdp x expert, the routed experts split over `expert` first; tokens over all three."""
     data: int = setting(1, ">= 1")
     fsdp: int = setting(-1, "-1 or >= 1 (-1: all the devices the other axes leave)")
     expert: int = setting(1, ">= 1")
@@ -68,26 +64,22 @@ MESH_AXES = ("data", "fsdp", "expert")  # the mesh's axis names, outermost first
 LHS = "xla_gpu_enable_latency_hiding_scheduler"
 PIPELINED = "xla_gpu_enable_pipelined_host_offloading"
 ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
-# What those flags take (their DebugOptions fields' types), checked before anything is traced:
-# XLA checks a flag's value only when it parses it, at compile time, and jaxlib does not expose
-# the fields' types (its DebugOptions binding has a few dozen fields, none of these). Any other
-# flag's value is XLA's to check, when it compiles for a GPU.
+# What those flags take, checked before anything is traced: XLA checks a value only when it
+# parses it, at compile time, and jaxlib does not expose the flags' types (docs/runs.md).
 XLA_FLAG_TYPES = {LHS: bool, PIPELINED: bool, ASYNC_LIMIT: int}
 
 
 def xla_flag_value(text: str) -> bool | int | str:
-    """An XLA flag's value as a compile passes it (trainer/target.py): true/false a bool, digits
-    an int, anything else the text."""
+    """An XLA flag's value as a compile passes it (trainer/target.py)."""
     booleans = {"true": True, "false": False}
     return booleans.get(text.lower(), int(text) if text.isdigit() else text)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Synthetic tokens when `path` is empty; else a folder `python train.py prepare` wrote, or
-    a flat token file (.bin, as nanoGPT writes; data/tokens.py)."""
+    """Synthetic tokens when `path` is empty; else a folder `python train.py prepare` wrote (its
+    dtype in its meta.json), or a flat token file (nanoGPT's .bin, uint16 unless `dtype` says)."""
     path: str = ""
-    # A prepared folder's own (meta.json); uint16 for a bare file.
     dtype: str = setting("auto", ("auto", "uint16", "uint32"))
 
 
@@ -98,11 +90,9 @@ class RunConfig:
     seq: int = setting(8192, ">= 1", resume="same", shown="batch")
     steps: int = setting(10, ">= 1", resume="same", shown="batch")
     optimizer: OptimizerConfig = setting(OptimizerConfig(), resume="same", shown="optimizer")
-    # Activations and matmuls; weights are cast per layer.
+    # Activations and matmuls (weights cast per layer); param_dtype: master weights, AdamW state.
     compute_dtype: str = setting("bfloat16", DTYPES, resume="same", shown="dtypes")
-    param_dtype: str = setting("float32", ("float32", "bfloat16"), resume="same",
-                               shown="dtypes")  # master weights and optimizer state
-    # The AdamW moments on the device or in host memory (offload/optimizer_state.py).
+    param_dtype: str = setting("float32", ("float32", "bfloat16"), resume="same", shown="dtypes")
     optimizer_state: str = setting("device", ("device", "host"), shown="placement")
     mesh: MeshConfig = setting(MeshConfig(), shown="devices")
     # A named placement (offload/activations.py); none: no checkpointing.
@@ -110,15 +100,13 @@ class RunConfig:
     # placement.<tag>=device|offload|remat (or .<scan>.<tag>), over the preset
     placement: Mapping[str, str] = setting(dict, shown="placement")
     xla_flags: Mapping[str, str] = setting(dict, shown="xla flags")  # GPU only
-    # nvfp4: layer matrices multiplied in NVFP4 (model/quant.py)
     quant: str = setting("none", ("none", "nvfp4"), resume="same", shown="kernels")
     # Weight block scales per 16x16 tile (TE's recipe) or 1x16 block.
     quant_tiles: str = setting("16x16", ("16x16", "1x16"), resume="same", shown="kernels")
     # fp4: Dgrad and Wgrad in NVFP4 too (TE's recipe); bf16: the forward only (JAX's own).
     quant_backward: str = setting("fp4", ("fp4", "bf16"), resume="same", shown="kernels")
     data: DataConfig = setting(DataConfig(), resume="same", shown="data")
-    # The mean loss over eval_batches fixed batches of windows of the val split, every
-    # eval_every steps and after the last (docs/data.md).
+    # The val split's mean loss over eval_batches fixed batches (docs/data.md).
     eval_every: int = setting(0, ">= 0 (0: never)", shown="data")
     eval_batches: int = setting(8, ">= 1", shown="data")
     seed: int = setting(0, "in [0, 2**63) (numpy's seeds)", resume="same", shown="data")
@@ -126,27 +114,23 @@ class RunConfig:
     # A Hugging Face checkpoint directory of the experiment's family.
     init_from: str = setting("", shown="model")
     out_dir: str = setting("runs", shown="output")
-    # Checkpoints (runtime/checkpoints.py): every N steps and at the end (0: only when stopped by
-    # SIGTERM or Ctrl-C), into checkpoint_dir (empty: <run folder>/checkpoints), the newest
-    # `keep` kept. resume=latest | a run folder | a checkpoint directory | one step folder.
+    # Checkpoints (runtime/checkpoints.py) into checkpoint_dir (empty: <run folder>/checkpoints),
+    # the newest `keep` kept. resume=latest | a run folder | a checkpoint directory | a step folder.
     checkpoint_every: int = setting(500, ">= 0 (0: only when stopped by a signal)",
                                     shown="checkpoints")
     checkpoint_dir: str = setting("", shown="checkpoints")
     keep: int = setting(3, ">= 1", shown="checkpoints")
     resume: str = setting("", shown="checkpoints")
     profile: bool = setting(False, shown="output")
-    # The step and eval metrics also as TensorBoard scalars (an optional extra).
-    tensorboard: bool = setting(False, shown="output")
+    tensorboard: bool = setting(False, shown="output")  # an optional extra (docs/data.md)
     attention: str = setting("auto", ("auto", "cudnn", "xla"), shown="kernels")  # cudnn: GPUs
     # MoE models only: sorted (grouped GEMMs) | dense (every expert) | auto.
     expert_path: str = setting("auto", ("auto", "sorted", "dense"), shown="kernels")
-    # With mesh.expert > 1, rows a device may send each expert, as a multiple of the balanced
-    # share (0: room for the worst case, dropless); pairs beyond it are dropped, and counted.
+    # With mesh.expert > 1: a device's rows per expert, in balanced shares (docs/model.md).
     expert_capacity: float = setting(0.0, ">= 0 (0: dropless)", resume="same", shown="kernels")
     # The loss in sequence chunks, logits recomputed (trainer/step.py).
     loss_chunks: int = setting(1, ">= 1", shown="kernels")
-    # DeepSeek-V3's aux-loss-free balancing step (its gamma), and its sequence-wise balance
-    # loss (0.0001 there).
+    # DeepSeek-V3's aux-loss-free balancing step (gamma), sequence-wise balance loss (0.0001 there).
     router_bias_rate: float = setting(0.001, ">= 0", resume="same", shown="optimizer")
     balance_loss_weight: float = setting(0.0, ">= 0", resume="same", shown="optimizer")
 
@@ -254,8 +238,7 @@ def _set(obj, path: list[str], text: str, full_key: str):
 
 
 def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, str]):
-    """`model.<field>=...` sets the architecture, `placement.<tag>=...` one tag's, and any
-    other dotted key a run field. Every value is typed by the field it sets."""
+    """`model.<field>=`, `placement.<tag>=` and run fields, each value typed by its field."""
     for key, text in overrides.items():
         path = key.split(".")
         if path[0] == "model" and len(path) > 1:
@@ -279,9 +262,8 @@ def declared(cls=None, prefix: str = "", group=None):
             yield prefix + f.name, meta
 
 
-# Every numeric field of the run (from its declaration) and of the model configs -> the values
-# it may take (what a special value means in brackets); one out of its range is one line:
-# `router_bias_rate=-0.01 must be >= 0`. Every choice field of the run -> its choices.
+# Every numeric field of the run (from its declaration) and of the model configs -> its range, one
+# out of it one line (`router_bias_rate=-0.01 must be >= 0`); every choice field -> its choices.
 CHOICES = {key: m["allowed"] for key, m in declared() if isinstance(m.get("allowed"), tuple)}
 RANGES = {
     **{key: m["allowed"] for key, m in declared() if isinstance(m.get("allowed"), str)},

@@ -14,22 +14,18 @@ DEEPSEEK_V3 = DeepSeekConfig(
     topk_groups=4, routed_scaling=2.5)
 
 # Proxy: the same structure (MLA with q LoRA, a dense first layer, 8 expert groups of which a
-# token uses 4, a shared expert, YaRN), 512 wide, small enough for a CPU. It runs
-# with no expert axis (configs.PROXY_RUN): mesh.expert=2 or 4 splits its experts over 8 CPU
-# devices as the full rows do, at several times the cost on CPUs.
+# token uses 4, a shared expert, YaRN), 512 wide, small enough for a CPU. No expert axis
+# (PROXY_RUN): mesh.expert=2 or 4 splits its experts as the full rows do, at several times the cost.
 PROXY_V3 = dataclasses.replace(
     DEEPSEEK_V3, vocab=32_768, d_model=512, n_layers=4, n_dense_layers=1, n_heads=8,
     q_lora_rank=128, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32, d_ff=1344,
     moe_d_ff=160, n_experts=16, experts_per_token=4)
 
-# The study gives no DeepSeek sequence length: 4096, the model's original context, is assumed.
-# The mesh and expert blocks are NVIDIA JAX-Toolbox's MaxText recipe for 128 GPUs (docs/study.md):
-# each expert group's 8 GPUs are two NVL72 trays in one NVLink domain; capacity factor 1.0: blocks
-# of the balanced share, the surplus dropped and counted. bf16 activations (the default), the loss
-# in 8 chunks (docs/model.md: why).
+# The study gives no sequence length: 4096, the model's original context, is assumed. The mesh and
+# expert blocks are JAX-Toolbox's MaxText recipe for 128 GPUs (docs/study.md: capacity factor 1.0,
+# an expert group one NVLink domain); bf16 activations (the default), the loss in 8 chunks.
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10, mesh=MeshConfig(fsdp=16, expert=8),
                      preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8, checkpoint_every=0)
-# Registers a row: its name, summary and what it changes of STUDY_V3.
 _deepseek = partial(register, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
 
 _deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",

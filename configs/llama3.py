@@ -21,11 +21,9 @@ PROXY_70B = _proxy(LLAMA31_70B, n_heads=8, n_kv_heads=1, head_dim=64, d_ff=1792)
 PROXY_405B = _proxy(LLAMA31_405B, n_heads=16, n_kv_heads=1, head_dim=32, d_ff=1664)
 
 # The study: synthetic data, bf16 activations (the default), NVFP4 as Transformer Engine's recipe
-# (every layer matrix's three GEMMs in FP4, 16x16 weight tiles: the defaults of quant=nvfp4),
-# the loss in 8 chunks (docs/model.md); no checkpoints in 10 steps (checkpoint_every=N adds them).
+# (quant=nvfp4's defaults), the loss in 8 chunks (docs/model.md); no checkpoints in 10 steps.
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(fsdp=128),
                        quant="nvfp4", loss_chunks=8, checkpoint_every=0)
-# Registers a row: its name, summary and what it changes of STUDY_405B.
 _llama405b = partial(register, model=LLAMA31_405B, proxy_model=PROXY_405B, run=STUDY_405B)
 
 _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
@@ -36,10 +34,8 @@ _llama405b("llama405b-offload-nolhs", "row 3: Q/K/V offloaded; latency hiding sc
            preset="qkv_offload", xla_flags={LHS: "false"})
 _llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
            preset="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"})
-# Not a study row: a placement the search's fast model once ranked first on 128 GB200s
-# (make search-llama405b-offload; docs/search.md), registered as a prediction the replay
-# overturned, to check on GPUs. Its host bytes need a larger pinned-host pool
-# (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: scripts/slurm sets it; docs/search.md).
+# Not a study row: the search's fast model's first on 128 GB200s once, a prediction the replay
+# overturned (docs/search.md); its host bytes need a larger pinned-host pool (docs/clusters.md).
 _llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "
            "Q and out_proj kept (the fast model's first, once)", per_device_batch=1,
            placement={"layers.query_proj": "device", "layers.out_proj": "device",
@@ -52,10 +48,8 @@ register("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node
 register("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64", LLAMA31_70B, PROXY_70B,
          STUDY_405B, mesh=MeshConfig(fsdp=64), preset="qkv_offload", quant="none",
          xla_flags={LHS: "true"})
-# Not a study row: 70B on one 8-GPU host (scripts/slurm/h100-8gpu.sbatch). Its FP32 weights,
-# gradients and AdamW moments alone nearly fill an H200, so the moments live in host memory
-# (offload/optimizer_state.py); the activations as `make search-llama70b-8xh200` placed them
-# (docs/optimizer_state.md has the figures).
+# Not a study row (docs/optimizer_state.md): 70B on one 8-GPU host, the AdamW moments in host
+# memory, the activations as `make search-llama70b-8xh200` placed them.
 register("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW moments in "
          "host memory, activations placed by the search", LLAMA31_70B, PROXY_70B, STUDY_405B,
          mesh=MeshConfig(fsdp=8), per_device_batch=1, quant="none",

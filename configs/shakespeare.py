@@ -8,8 +8,7 @@ from model.config import LlamaConfig
 SHAKESPEARE_MODEL = LlamaConfig(vocab=4096, d_model=320, n_layers=6, n_heads=5, n_kv_heads=5,
                                 head_dim=64, d_ff=864, rope_theta=10_000.0, rope_scaling=None,
                                 max_position=1024)
-# The activations kept on device (preset minimal): on a CPU nothing is offloaded, and
-# recomputing them would cost time.
+# Preset minimal, the activations kept on device: a CPU offloads nothing, and recomputing costs.
 SHAKESPEARE_RUN = RunConfig(
     global_batch=8, seq=256, steps=120, mesh=MeshConfig(fsdp=1), preset="minimal",
     optimizer=OptimizerConfig(lr=2e-3, warmup_steps=10),

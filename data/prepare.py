@@ -1,19 +1,9 @@
-"""Text to tokens: `python train.py prepare SOURCE ... out=DIR [tokenizer=PATH|bpe:N]
-[val_fraction=F] [text_field=NAME] [seed=S]`.
+"""Text to tokens: `python train.py prepare` (USAGE; docs/data.md says what it reads and writes).
 
-Reads plain-text files (one document each), folders of them (.txt, .md and .jsonl files, in
-name order) and JSONL files (one document per line, its `text_field`); splits the documents
-into train and val (a seeded choice of round(F x documents) for val); tokenizes each with
-`add_special_tokens=False` and an end-of-text token after it; writes DIR/train.bin and
-DIR/val.bin (nanoGPT's format: flat token ids, uint16 when the vocabulary fits, else uint32),
-DIR/tokenizer.json and DIR/meta.json. Every mistake is found before anything is written; the
-folder appears only once complete (written as DIR.partial-PID, then renamed).
-
-The corpus is streamed: a first pass counts and checks the documents, a second (with bpe:N)
-trains the tokenizer on the train split, the last tokenizes batches of documents in parallel
-(the Rust library's threads) and appends them to the split's file; one document is in memory
-at a time, or one batch of them.
-"""
+Every mistake is found before anything is written; the folder appears only once complete
+(written as DIR.partial-PID, then renamed). The corpus is streamed: a first pass counts and
+checks the documents, a second (with bpe:N) trains the tokenizer on the train split, the last
+tokenizes batches of documents in parallel (the Rust library's threads) into the split files."""
 
 import dataclasses
 import json
@@ -49,7 +39,6 @@ class Options:
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
     path: Path
-    jsonl: bool
     documents: int
     size: int
 
@@ -74,12 +63,10 @@ def parse(argv: list[str]) -> Options:
         raise DataError(f"prepare: val_fraction={fraction:g} must be in (0, 1), seed={seed} "
                         f">= 0 and text_field non-empty")
     spec = options["tokenizer"]
-    if spec.startswith("bpe:"):
-        size = spec.removeprefix("bpe:")
-        if not size.isdigit() or int(size) < tokenizers.BYTES + 1:
-            raise DataError(f"tokenizer={spec}: a byte-level BPE needs N >= "
-                            f"{tokenizers.BYTES + 1} (the {tokenizers.BYTES} bytes and "
-                            f"{tokenizers.BPE_END_OF_TEXT})")
+    size = spec.removeprefix("bpe:")
+    if spec.startswith("bpe:") and (not size.isdigit() or int(size) < tokenizers.BYTES + 1):
+        raise DataError(f"tokenizer={spec}: a byte-level BPE needs N >= {tokenizers.BYTES + 1} "
+                        f"(the {tokenizers.BYTES} bytes and {tokenizers.BPE_END_OF_TEXT})")
     return Options(tuple(sources), Path(options["out"]), spec, fraction,
                    options["text_field"], seed)
 
@@ -113,7 +100,6 @@ def _jsonl_texts(path: Path, field: str) -> Iterator[str]:
 
 
 def _texts(path: Path, field: str) -> Iterator[str]:
-    """The documents of one file, one at a time."""
     try:
         if path.suffix == ".jsonl":
             yield from _jsonl_texts(path, field)
@@ -126,8 +112,7 @@ def _texts(path: Path, field: str) -> Iterator[str]:
 
 def scan(options: Options) -> list[SourceFile]:
     """Every source file with its documents counted (every JSONL line read and checked)."""
-    files = [SourceFile(p, p.suffix == ".jsonl", sum(1 for _ in _texts(p, options.text_field)),
-                        p.stat().st_size)
+    files = [SourceFile(p, sum(1 for _ in _texts(p, options.text_field)), p.stat().st_size)
              for source in options.sources for p in _files(source)]
     if empty := [f.path for f in files if f.size == 0 or f.documents == 0]:
         raise DataError(f"prepare: {empty[0]} is empty")
@@ -229,8 +214,7 @@ def prepare(options: Options) -> dict:
     if bpe:
         train_texts = (text for index, text, _ in documents(files, options.text_field)
                        if not val[index])
-        tokenizer = tokenizers.train_bpe(train_texts, int(options.tokenizer[4:]),
-                                         int((~val).sum()))
+        tokenizer = tokenizers.train_bpe(train_texts, int(options.tokenizer[4:]), int((~val).sum()))
         end_of_text = tokenizers.BPE_END_OF_TEXT
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = DTYPES[0] if vocab <= 2**16 else DTYPES[1]

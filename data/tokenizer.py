@@ -24,9 +24,8 @@ def _literal(tokenizer: Tokenizer) -> Tokenizer:
 
 
 def load(path: str) -> tuple[Tokenizer, str]:
-    """(the tokenizer, its end-of-text token) of `path`: a Hugging Face checkpoint folder or its
-    tokenizer.json. The end of text is tokenizer_config.json's `eos_token` where the folder has
-    one, else the first of END_OF_TEXT_NAMES the vocabulary holds."""
+    """(the tokenizer, its end of text) of a Hugging Face checkpoint folder or its tokenizer.json:
+    tokenizer_config.json's `eos_token`, else the first of END_OF_TEXT_NAMES it has."""
     file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise DataError(f"tokenizer={path}: no tokenizer.json there (a Hugging Face checkpoint "

@@ -1,10 +1,7 @@
 """Training and evaluation batches: synthetic tokens, a flat token file, or a folder that
-`python train.py prepare` wrote (train.bin, val.bin, meta.json, tokenizer.json).
-
-A training batch is a function of (seed, step) and an evaluation batch of its index alone, so
-every process builds the same global batch [B, T+1] in numpy (cheap: 256 x 8193 tokens is 8 MB)
-and hands JAX only the rows its devices hold: single- and multi-host runs, fresh and resumed,
-read the same windows."""
+`python train.py prepare` wrote. A training batch is a function of (seed, step) and an evaluation
+batch of its index alone, so every process builds the same global batch [B, T+1] in numpy (256 x
+8193 tokens is 8 MB) and hands JAX only its devices' rows: every run reads the same windows."""
 
 import json
 import os
@@ -39,9 +36,8 @@ class SyntheticTokens:
 
 
 class TokenFile:
-    """A flat array of token ids (uint16 or uint32, nanoGPT's .bin), read through a memmap.
-    Each row of a training batch is a window starting at a random offset drawn from (seed,
-    step); an evaluation batch is a slice of fixed windows spread evenly over the file."""
+    """A flat array of token ids (nanoGPT's .bin), read through a memmap: training windows at
+    offsets drawn from (seed, step), evaluation windows spread evenly over the file."""
     val = None
 
     def __init__(self, path: str, dtype: str, vocab: int, seed: int, seq: int,
@@ -65,8 +61,7 @@ class TokenFile:
                                 f"{vocab} (wrong data.dtype?)")
             counts += np.bincount(chunk, minlength=vocab)
         p = counts[counts > 0] / len(self.tokens)
-        # What a model that ignores the context can reach: the floor a learning curve must
-        # fall below to show the model uses it.
+        # The loss of the best model that ignores the context; one that uses it goes below.
         self.unigram_entropy = float(-(p * np.log(p)).sum())
 
     def batch(self, step: int, batch: int, seq: int) -> np.ndarray:
@@ -74,8 +69,7 @@ class TokenFile:
         return self._windows(rng.integers(0, len(self.tokens) - seq, batch), seq)
 
     def eval_batch(self, index: int, batch: int, seq: int, batches: int) -> np.ndarray:
-        """Batch `index` of `batches`: together batches x batch windows whose starts are spread
-        evenly from the first token to the last window's, the same at every evaluation."""
+        """Batch `index` of `batches`, the same windows at every evaluation."""
         starts = np.linspace(0, len(self.tokens) - seq - 1, batches * batch).round()
         return self._windows(starts[index * batch:(index + 1) * batch].astype(np.int64), seq)
 
@@ -87,8 +81,7 @@ class TokenFile:
 
 
 class PreparedTokens(TokenFile):
-    """A prepared folder: training windows from train.bin, evaluation windows from val.bin
-    (`val`), checked against its meta.json before anything reads them."""
+    """A prepared folder: training windows from train.bin, evaluation windows from val.bin."""
 
     def __init__(self, path: str, dtype: str, vocab: int, seed: int, seq: int):
         folder = Path(path)
@@ -112,16 +105,14 @@ class PreparedTokens(TokenFile):
         return self.folder / TOKENIZER
 
     def describe(self) -> str:
-        splits = self.meta["splits"]
         words = ", ".join(f"{split} {s['tokens']:,} tokens ({s['documents']:,} documents)"
-                          for split, s in splits.items())
+                          for split, s in self.meta["splits"].items())
         return (f"{self.folder}: {words}; tokenizer {self.meta['tokenizer']} (vocabulary "
                 f"{self.meta['vocab_size']:,})")
 
 
 def read_meta(folder: Path) -> dict:
-    """A prepared folder's meta.json, checked against its files: the dtype, and each split's
-    token count against its file's size."""
+    """A prepared folder's meta.json, checked against its files (the dtype, each split's size)."""
     try:
         meta = json.loads((folder / META).read_text())
         dtype, vocab, splits = meta["dtype"], meta["vocab_size"], meta["splits"]

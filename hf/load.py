@@ -1,8 +1,6 @@
-"""Hugging Face checkpoints (Llama, DeepSeek-V3) -> (model config, params).
-
-HF linear weights are stored [out, in]; ours are [in, out], with heads split out. Each of our
-parameters is a `Source` built from its family's table in hf/names.py (hf/save.py reads it too),
-read whole (one process) or only in the slices this process's devices hold (multi-host)."""
+"""Hugging Face checkpoints (Llama, DeepSeek-V3) -> (model config, params): each of our parameters
+is a `Source` built from its family's table in hf/names.py, read whole (one process) or only in
+the slices this process's devices hold (multi-host)."""
 
 import dataclasses
 import functools
@@ -23,10 +21,9 @@ from model.params import ParamSpec
 @dataclasses.dataclass(frozen=True)
 class Source:
     """One of our parameters as Hugging Face tensors, read a slice at a time. `names` holds the HF
-    tensor of each stacked entry (layers, then experts): its shape leads `shape`. With `n_in`, each
-    is HF's linear [*batch, out, in] (`batch` leading axes: a fused expert axis), transposed into
-    ours, [*batch, *ins, *outs]: its in axis split into our next `n_in` axes, its out axis (from row
-    `first_row`: the up half of a fused gate and up) into the rest (heads split out)."""
+    tensor of each stacked entry (layers, then experts): its shape leads `shape`. With `n_in`, a
+    linear one as HfTensor says (hf/names.py), after `batch` leading axes (a fused expert axis),
+    its out axis from row `first_row` (the up half of a fused gate and up)."""
     names: np.ndarray
     shape: tuple[int, ...]
     n_in: int | None = None

@@ -50,10 +50,9 @@ def _llama(cfg: LlamaConfig) -> dict:
 
 
 def _deepseek(cfg: DeepSeekConfig) -> dict:
-    """Each parameter's tensor in a Hugging Face `DeepseekV3ForCausalLM` checkpoint. Routed
-    experts are stored one tensor per expert (the released checkpoint) or fused by expert
-    (`experts.gate_up_proj` [E, 2F, D] and `experts.down_proj`, as transformers keeps them);
-    layers after the model's own (multi-token prediction) are not read."""
+    """Each parameter's tensor in a Hugging Face `DeepseekV3ForCausalLM` checkpoint: routed
+    experts one tensor per expert (the released checkpoint) or fused (`experts.gate_up_proj`
+    [E, 2F, D], `experts.down_proj`); multi-token prediction layers are not read."""
     def layer(first: int, mlp: dict) -> dict:
         t = partial(layer_tensor, first=first)
         query = ({"wq": t("self_attn.q_proj", 1)} if cfg.q_lora_rank is None else

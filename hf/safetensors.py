@@ -1,7 +1,6 @@
 """Read a safetensors checkpoint directory (one file or a sharded index) a slice at a time, so
-each process of a multi-host run reads about its own share (a 405B or 671B import would not fit
-one host's memory whole). Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn, a
-`weight_scale_inv` per 128x128 block) are dequantized on read: converters see float arrays only."""
+each process of a multi-host run reads about its own share. Block-scaled FP8 weights (DeepSeek-V3's
+release: a `weight_scale_inv` per 128x128 block) are dequantized on read: converters see floats."""
 
 import json
 from pathlib import Path
@@ -40,15 +39,6 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return [single]
 
 
-def _open(file: Path):
-    try:
-        return safe_open(file, framework="numpy")
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: no such file (named by the index)") from None
-    except Exception as e:  # safetensors raises its own types for truncated/corrupt files
-        raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-
-
 def unit_slices(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
     """`index` (a unit-step slice per axis, or () for all) with its bounds resolved: one
     range, however written, is one key."""
@@ -72,7 +62,12 @@ class Reader:
     def __init__(self, directory: Path):
         self.files, self.shapes, self.dtypes = {}, {}, {}
         for file in _safetensors_files(directory):
-            handle = _open(file)
+            try:
+                handle = safe_open(file, framework="numpy")
+            except FileNotFoundError:
+                raise CheckpointError(f"{file}: no such file (named by the index)") from None
+            except Exception as e:  # safetensors raises its own types for truncated/corrupt files
+                raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
             for name in handle.keys():
                 info = handle.get_slice(name)
                 self.files[name] = (file, handle)

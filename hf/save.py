@@ -1,8 +1,5 @@
-"""Our params -> a Hugging Face checkpoint (config.json + safetensors): hf/load.py reversed.
-
-Routed experts are written one tensor per expert (`experts.{e}.gate_proj.weight`), the layout
-of the released DeepSeek-V3 checkpoint, which transformers converts on load. Big models are
-split into files of at most `shard_bytes`, with the index transformers reads."""
+"""Our params -> a Hugging Face checkpoint (config.json + safetensors): hf/load.py reversed, the
+routed experts one tensor per expert as the released DeepSeek-V3 has them (docs/checkpoints.md)."""
 
 import json
 import math

@@ -5,32 +5,26 @@ waits between the forward and the backward pass:
   device   kept in device memory;
   offload  copied to pinned host memory in the forward pass, streamed back for the backward;
   remat    not kept: recomputed in the backward pass from the layer's saved inputs.
-A tag it does not name is `remat`. A preset is a named placement; a run takes one and changes
-single tags over it (`placement.<tag>=`). The optimizer state's offload is optimizer_state.py.
-"""
+A tag it does not name is `remat`. The optimizer state's offload is optimizer_state.py."""
 
 from collections.abc import Mapping
 
 import jax
 
 PLACEMENTS = ("device", "offload", "remat")
-# Every checkpointed layer keeps its input (the point its recomputation starts from): on
-# device unless this tag is offloaded. "remat" cannot apply to it. Each model family's scans
-# list their tags (model/llama.py, model/deepseek.py), this one first.
+# Every checkpointed layer keeps its input (where its recomputation starts): on device unless
+# this tag is offloaded; "remat" cannot apply to it. Each family's scans list it first.
 LAYER_INPUT = "decoder_layer_input"
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 _MINIMAL = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
-# DeepSeek-V3's rows (docs/study.md names the sources). Offloaded, in the study's words:
-# "selected MLA query and key/value projection intermediates" (the latents' down-projections,
-# as MaxText names them) and "MoE up projection intermediates" (the routed experts'); in the
-# dense layers "MLP up and down projection outputs". Every other tag is recomputed, as
-# MaxText's custom policy does for each name its config leaves at the default.
+# DeepSeek-V3's rows: the tensors the study offloads, every other tag recomputed as MaxText's
+# custom policy does (docs/study.md quotes the study and the recipe for each name).
 _DSV3 = ("dense_layers.mlpwi_0", "dense_layers.mlpwi_1", "dense_layers.mlpwo",
          "moe_layers.query_wa_proj", "moe_layers.kv_wa_proj", "moe_layers.moe_mlpwi_0",
          "moe_layers.moe_mlpwi_1")
-# Named placements, keyed as placement.<key>= overrides: `tag` for every scan that has it,
-# `scan.tag` for one. "none" turns checkpointing off (autodiff keeps everything).
+# Presets, named placements a run changes single tags over, keyed as placement.<key>= overrides:
+# `tag` for every scan that has it, `scan.tag` for one. "none" turns checkpointing off.
 PRESETS: dict[str, dict] = {
     "remat": {},
     "minimal": dict.fromkeys(_MINIMAL, "device"),
@@ -49,8 +43,7 @@ def presets_for(scan_tags: Mapping) -> list[str]:
 
 
 def resolve(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
-    """scan -> {tag: device|offload|remat}: the preset, then `changes` ("tag" for every scan
-    that has it, "scan.tag" for one), each checked against the model's tags."""
+    """scan -> {tag: placement}: the preset, then `changes`, each checked against the model's."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of "
                          f"{', '.join([*PRESETS, NO_CHECKPOINT])}")

@@ -1,13 +1,8 @@
 """optimizer_state=host: the AdamW moments live in pinned host memory between steps and pass
-through the device one layer at a time for the update, the other half of JAX's host
-offloading (`jax.device_put` to a memory space inside the step; the state's shardings carry
-`pinned_host`, so checkpoints save and restore it as it is).
-
-Per step, every moment crosses the host link twice: 2 x 4 bytes x parameters / devices each
-way (fp32 mu and nu), after the backward pass. Clipping needs the global gradient norm, so it
-runs first on the whole gradient; AdamW is elementwise, so updating layer by layer is the same
-arithmetic, to the bit (tests/test_host_state.py).
-"""
+through the device one layer at a time for the update (`jax.device_put` to a memory space
+inside the step; docs/optimizer_state.md). Clipping needs the global gradient norm, so it runs
+first on the whole gradient; AdamW is elementwise, so updating layer by layer is the same
+arithmetic, to the bit (tests/test_host_state.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +40,16 @@ def host_update(clip, adamw, scans):
 
 def _by_layer(adamw, grads, state, params):
     """One layer scan's update, a layer at a time: its moments read from host, updated on the
-    device, written to a new host buffer (the pattern XLA streams, as for offloaded
-    activations: so a step holds the state twice in host memory). Each layer's update is
-    written over its gradient, and added to the weights after the loop: no third copy of the
-    weights on the device. 0-d leaves (the step counts) are the same for every layer."""
+    device, written to a new host buffer (so a step holds the state twice in host memory). Each
+    layer's update is written over its gradient, and added to the weights after the loop: no
+    third copy of the weights on the device. The 0-d step counts are the same for every layer."""
     def at(tree, i):  # grads and params: every leaf of a layer scan is stacked
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
     def layer(grads, xs):
         i, moments = xs
         layer_state = jax.tree.map(lambda x, m: m if x.ndim else x, state, moments)
-        updates, new = adamw.update(at(grads, i), _move(layer_state, DEVICE),
-                                    at(params, i))
+        updates, new = adamw.update(at(grads, i), _move(layer_state, DEVICE), at(params, i))
         grads = jax.tree.map(lambda g, u: jax.lax.dynamic_update_index_in_dim(g, u, i, 0),
                              grads, updates)
         return grads, jax.tree.map(lambda x, m: m if x.ndim else None, state, _move(new, HOST))

@@ -1,7 +1,5 @@
-"""The train step as a program (`Program`): its mesh and axis rules, optimizer, forward options,
-the state's sharded shapes (computed once), and the step and its evaluation, traced and compiled
-ahead of time for a target when first asked for. A run builds one for this machine's devices;
-the study tools build the same for GPUs they compile without (study/compiled.py)."""
+"""The train step as a program (`Program`), traced and compiled ahead of time for a target when
+first asked for: a run's for this machine's devices, the study tools' for GPUs they lack."""
 
 import functools
 import time
@@ -33,10 +31,8 @@ def mesh_of(run: RunConfig, devices) -> jax.sharding.Mesh:
 
 def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRules | None,
                     target: Target) -> ForwardOptions:
-    """What the forward depends on for this run and target: the placement's checkpoint
-    policies, the axis rules, the compute dtype, the attention kernel (cuDNN's on a GPU in
-    bf16 or f16 unless set), the NVFP4 path and, for MoE models, the routed experts' path
-    (dense on CPUs, where ragged_dot is slow) or their split over the expert axis."""
+    """What the forward depends on for this run and target (model/options.py): by default
+    cuDNN's attention on a GPU in bf16 or f16, and dense experts on CPUs (ragged_dot is slow)."""
     attention = "xla" if target.platform == "any" else run.attention
     if attention == "auto":
         fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
@@ -90,8 +86,7 @@ def make_loss(model, run: RunConfig, options: ForwardOptions):
 
 
 def make_step(model, run: RunConfig, options: ForwardOptions, optimizer):
-    """(state, batch) -> (state, metrics), not jitted: the optimizer state on device, or in
-    host memory (offload/optimizer_state.py) passing through the device a layer at a time."""
+    """(state, batch) -> (state, metrics), not jitted."""
     if run.optimizer_state == "host":
         clip, adamw = optimizer_parts(run.optimizer, run.steps)
         update = host_update(clip, adamw, families.of(model).SCANS)
@@ -103,8 +98,7 @@ def make_step(model, run: RunConfig, options: ForwardOptions, optimizer):
 
 
 def quantization_problems(model, run: RunConfig) -> list[str]:
-    """Whether NVFP4 can encode every quantized matrix of `model` (dims multiples of 16),
-    found by tracing its forward on abstract values."""
+    """Whether NVFP4 can encode every quantized matrix of `model`: its forward traced abstractly."""
     if run.quant == "none":
         return []
     family = families.of(model)
@@ -138,7 +132,6 @@ class Program:
         return self.rules.mesh
 
     def step_function(self):
-        """(state, batch) -> (state, metrics), not jitted (`make_step`)."""
         return make_step(self.model, self.run, self.options, self.optimizer)
 
     @functools.cached_property
@@ -155,8 +148,7 @@ class Program:
                 compiled = traced.lower().compile({**compiler_options(self.run, self.target),
                                                    **(options or {})})
         except jax.errors.JaxRuntimeError as e:
-            # An XLA flag this jaxlib does not know, or a value its type refuses (configs checks
-            # the types of the study's flags before tracing; XLA those of any other flag, here).
+            # An XLA flag this jaxlib does not know, or a value its type refuses (docs/runs.md).
             if "compile option" in str(e) or "While setting option" in str(e):
                 raise ConfigError(f"xla_flags: {str(e).splitlines()[0]}") from None
             raise
@@ -169,15 +161,13 @@ class Program:
 
     @functools.cached_property
     def evaluate(self) -> jax.stages.Compiled:
-        """The forward-only loss of one batch (its cross-entropy), on the step's mesh and for
-        the parameters as its state holds them."""
+        """The forward-only loss (cross-entropy) of one batch, on the step's mesh and params."""
         loss = make_loss(self.model, self.run, self.options)
         evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
         return self.compile(evaluate.trace(self.state_shapes["params"], self.batch_shape))
 
     def init_state(self, checkpoint=None) -> dict:
-        """Parameters (random, or a Hugging Face `checkpoint`'s) and optimizer state, each
-        created already sharded on the mesh."""
+        """Parameters (random, or a Hugging Face `checkpoint`'s) and optimizer state, sharded."""
         shardings = jax.tree.map(lambda a: a.sharding, self.state_shapes)
         specs = families.of(self.model).param_specs(self.model)
         dtype = jnp.dtype(self.run.param_dtype)

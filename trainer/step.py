@@ -25,9 +25,8 @@ def cross_entropy(logits, targets):
 
 def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=None):
     """`cross_entropy` of the final norm and LM head's logits of x [B, T, D], T/chunks
-    positions of every (batch-sharded) sequence at a time. A chunk's [B, T/chunks, V] fp32
-    logits exist only while it runs and again in the backward pass (recomputed: one more
-    LM-head GEMM), not all B x T x V logits and their gradient at once (docs/model.md: sizes)."""
+    positions of every (batch-sharded) sequence at a time: a chunk's fp32 logits exist only
+    while it runs and, recomputed, in the backward pass (docs/model.md: what that saves)."""
     def loss(x, targets):
         return cross_entropy(unembed(x, params["final_norm"], params["lm_head"], eps), targets)
 
@@ -45,10 +44,9 @@ def chunked_cross_entropy(x, params, targets, eps: float, chunks: int, rules=Non
 
 
 def loss_fn(params, batch, key=None, *, model, options, balance_weight=0.0, loss_chunks=1):
-    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1, the forward as `options` (a
-    ForwardOptions) says; `key`: the step's random bits (an FP4 backward's rounding).
-    (loss, aux): aux holds the cross-entropy and, for MoE models, the expert loads and the
-    balance term."""
+    """batch [B, T+1]: predict tokens 1..T from tokens 0..T-1, the forward as `options` says;
+    `key`: the step's random bits (an FP4 backward's rounding). (loss, aux): aux holds the
+    cross-entropy and, for MoE models, the expert loads and the balance term."""
     x, stats = families.of(model).trunk(params, batch[:, :-1], model, options, key)
     loss = chunked_cross_entropy(x, params, batch[:, 1:], model.norm_eps, loss_chunks,
                                  options.rules)
@@ -92,9 +90,8 @@ def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_devic
 
 def expert_metrics(aux, devices: int) -> dict:
     """The MoE layers' routing [L, E]: the most loaded expert over the mean (worst layer), the
-    share of (token, expert) pairs dropped for lack of room, overall and for the worst device
-    of the expert axis (its E/devices experts, in order; a device none of whose experts was
-    chosen drops nothing)."""
+    share of (token, expert) pairs dropped, overall and for the worst device of the expert axis
+    (its E/devices experts, in order; one none of whose experts was chosen drops nothing)."""
     load = aux["expert_load"].astype(jnp.float32)
     per_device = rearrange(load, "l (g e) -> g (l e)", g=devices).sum(-1)
     dropped = rearrange(aux["expert_dropped"], "l (g e) -> g (l e)", g=devices).sum(-1)
@@ -118,5 +115,3 @@ def optimizer_parts(cfg: OptimizerConfig, steps: int):
         path[-1].key).endswith(("norm", "router_bias")))
     return (optax.clip_by_global_norm(cfg.clip_norm),
             optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay))
-
-

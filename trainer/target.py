@@ -12,9 +12,8 @@ from runtime.backend import quiet
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What a train step is built for: `platform` "cpu" or "gpu" (with its compute capability),
-    or "any": only kernels every backend lowers, for tracing and `jax.export` over abstract
-    meshes."""
+    """`platform` "cpu" or "gpu" (with its compute capability), or "any": only kernels every
+    backend lowers, for tracing and `jax.export` over abstract meshes."""
     platform: str
     capability: tuple[int, int] | None = None
     devices: tuple = ()
@@ -57,8 +56,7 @@ def quantization(run: RunConfig, target: Target) -> quant.Quantization | None:
 
 
 def compiler_options(run: RunConfig, target: Target) -> dict:
-    """The run's XLA flags as per-compile options, typed; a GPU target only, so they can never
-    break a CPU compile."""
+    """The run's XLA flags as typed per-compile options, a GPU target's only: never a CPU's."""
     if target.platform != "gpu":
         return {}
     return {k: xla_flag_value(v) for k, v in run.xla_flags.items()}
