@@ -13,7 +13,7 @@ from runtime.setup import Setup
 from study import memory, plan
 from study.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
 from study.gpus import Gpu
-from study.traced_step import TracedStep
+from study.traced_step import traced_step
 from trainer.program import Program
 from trainer.target import Target
 
@@ -63,7 +63,7 @@ class CompiledRow:
         """This run's placement list, checked on its compiled program."""
         if self._is_full_scale:
             return self.full_plan.tags
-        step = TracedStep(self.setup.model, self.setup.run, self._mesh_shape)
+        step = traced_step(self.setup.model, self.setup.run, self._mesh_shape)
         return memory.tag_lines(step, self.setup.placement, self.hlo)
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from study import addressing, memory
-from study.traced_step import TracedStep
+from study.traced_step import traced_step
 from configs import Experiment, RunConfig
 from study.gpus import Gpu
 from offload import activations
@@ -34,7 +34,7 @@ def full_scale(experiment: Experiment, gpu: Gpu, tables: dict | None,
     """The experiment's full-scale plan on `gpu`s under these tables (given compiled HLO,
     XLA's placement)."""
     run = experiment.run
-    step = TracedStep(experiment.model, run, run.mesh.shape(run.mesh.devices))
+    step = traced_step(experiment.model, run, run.mesh.shape(run.mesh.devices))
     return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
                        pool_bytes(gpu), gpu.host_memory)
 

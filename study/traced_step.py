@@ -152,3 +152,15 @@ class TracedStep:
         plain = sum(math.prod(shape) for shape in shapes) * self.compute_bytes
         stored = sum(shape[0] * quant.nvfp4_bytes((math.prod(shape[1:]),), 0) for shape in shapes)
         return plain // self.shards, stored // self.shards
+
+
+_STEPS: dict[tuple, TracedStep] = {}
+
+
+def traced_step(model, run: RunConfig, mesh_shape: tuple[int, int, int]) -> TracedStep:
+    """One TracedStep per model, run and mesh, its traces shared by every plan that asks (the
+    rows and placements of one model differ in tables, each traced once per step)."""
+    key = (model, repr(run), tuple(mesh_shape))
+    if key not in _STEPS:
+        _STEPS[key] = TracedStep(model, run, mesh_shape)
+    return _STEPS[key]
