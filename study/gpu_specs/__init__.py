@@ -1,1 +1,0 @@
-"""XLA GPU target descriptions, one .txtpb per GPU (read by study/gpus.py)."""
