@@ -326,30 +326,6 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     assert own_program.CompiledMemory.of(row.compiled) == own_program.CompiledMemory.of(default)
 
 
-def test_the_compiled_host_bytes_count_a_donated_host_buffer_once():
-    """Guards the class: the compiled host bytes counting a buffer twice or not at all (a
-    donated host argument and the output written over it both counted; host temporaries left
-    out: tests/test_addressing.py's probe), visible only in a GPU program (a CPU's has no
-    host memory space). The optimizer state on host in small, as a GPU run's step donates it:
-    a moment of 1024 x 256 f32 (1 MiB) in pinned host memory, donated, brought to the device,
-    updated and written back, compiled for one compile-only H200. Its bytes are in host
-    memory once, argument and output alike, and nothing else is."""
-    on_device = jax.sharding.NamedSharding(jax.sharding.Mesh(gpus("h200", 1).devices[:1], ("x",)),
-                                           jax.sharding.PartitionSpec())
-    on_host = on_device.with_memory_kind("pinned_host")
-
-    def update(moment, grad):
-        moment = jax.device_put(moment, jax.memory.Space.Device)
-        return jax.device_put(0.9 * moment + 0.1 * grad, jax.memory.Space.Host)
-
-    moment, grad = (jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=s)
-                    for s in (on_host, on_device))
-    compiled = jax.jit(update, donate_argnums=0, out_shardings=on_host).trace(
-        moment, grad).lower().compile()
-    assert compiled.memory_analysis().host_alias_size_in_bytes > 0  # donated in host memory
-    assert own_program.CompiledMemory.of(compiled).host == 1024 * 256 * 4
-
-
 def test_sorted_experts_compile_for_a_gpu():
     """Without expert parallelism a GPU computes routed experts as sorted grouped GEMMs
     (`ragged_dot`), a path no study row takes: the DeepSeek proxy in bf16 on 8 compile-only
