@@ -202,8 +202,7 @@ def block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None, exper
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        x = constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules,
-                      ("batch", "seq", None))
+        x = constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules, ("batch", "seq", None))
     with jax.named_scope("mlp" if expert_path is None else "moe"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
         out, stats = ((swiglu(h, w), None) if expert_path is None
@@ -250,10 +249,9 @@ def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None
                        options.policy("moe_layers"), "moe_layers")
 
 
-def forward(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions = ForwardOptions(),
-            key=None):
+def forward(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions = ForwardOptions()):
     """tokens [B, T] -> (logits [B, T, V] fp32, MoE statistics): `trunk`, final norm, LM head."""
-    x, stats = trunk(params, tokens, cfg, options, key)
+    x, stats = trunk(params, tokens, cfg, options)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 
 

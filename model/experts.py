@@ -146,8 +146,7 @@ def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertPa
     send = _dispatch(x, slot_pairs, pair_slots)
     received = exchange(rearrange(send, "(p lc) d -> p lc d", p=P))
     rows = rearrange(received, "p (l c) d -> l (p c) d", l=local)  # per local expert
-    out = _swiglu(rows, w, partial(jnp.einsum, "lrd,ldf->lrf"),
-                  partial(jnp.einsum, "lrf,lfd->lrd"))
+    out = _swiglu(rows, w, partial(jnp.einsum, "lrd,ldf->lrf"), partial(jnp.einsum, "lrf,lfd->lrd"))
     back = exchange(rearrange(out, "l (p c) d -> p (l c) d", p=P))
     dropped = jnp.zeros((n_experts,), jnp.int32).at[chosen].add((~kept).astype(jnp.int32))
     return (_combine(rearrange(back, "p lc d -> (p lc) d"), weights, slot_pairs, pair_slots),

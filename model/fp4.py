@@ -36,14 +36,12 @@ def hadamard(x: jax.Array, axis: int) -> jax.Array:
 
 
 def transposed(q: NVFP4Tensor) -> NVFP4Tensor:
-    return dataclasses.replace(q, codes=q.codes.T, block_scales=q.block_scales.T,
-                               axis=1 - q.axis)
+    return dataclasses.replace(q, codes=q.codes.T, block_scales=q.block_scales.T, axis=1 - q.axis)
 
 
 def tiles(q: NVFP4Tensor) -> jax.Array:
     """The scales of a 2-D matrix of 16x16 tiles, one per tile: [R/16, C/16]."""
-    return jnp.take(q.block_scales, np.arange(0, q.codes.shape[1 - q.axis], BLOCK),
-                    axis=1 - q.axis)
+    return jnp.take(q.block_scales, np.arange(0, q.codes.shape[1 - q.axis], BLOCK), axis=1 - q.axis)
 
 
 def tiled(codes: jax.Array, tile_scales: jax.Array, tensor_scale: jax.Array,

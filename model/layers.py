@@ -139,5 +139,4 @@ def swiglu(h: jax.Array, w: dict) -> jax.Array:
     """The SwiGLU MLP down(silu(gate(h)) * up(h)), [B, T, D] -> [B, T, D], tagged."""
     gate = checkpoint_name(einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
     up = checkpoint_name(einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
-    return checkpoint_name(einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]),
-                           "mlpwo")
+    return checkpoint_name(einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]), "mlpwo")

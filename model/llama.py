@@ -81,10 +81,9 @@ def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
     return x, {}
 
 
-def forward(params, tokens, cfg: LlamaConfig, options: ForwardOptions = ForwardOptions(),
-            key=None):
+def forward(params, tokens, cfg: LlamaConfig, options: ForwardOptions = ForwardOptions()):
     """tokens [B, T] int -> (logits [B, T, V] fp32, {}): `trunk`, the final norm, the LM head."""
-    x, stats = trunk(params, tokens, cfg, options, key)
+    x, stats = trunk(params, tokens, cfg, options)
     return unembed(x, params["final_norm"], params["lm_head"], cfg.norm_eps), stats
 
 

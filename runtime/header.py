@@ -38,8 +38,7 @@ def flags_line(run, target) -> str:
 def training_flops(model, program) -> float:
     """Model FLOPs of one step per device (MaxText's formula: model/llama.py, deepseek.py)."""
     devices = len(program.target.devices)
-    return families.of(model).training_flops(model, program.batch_size / devices,
-                                             program.run.seq)
+    return families.of(model).training_flops(model, program.batch_size / devices, program.run.seq)
 
 
 def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str, str]:
