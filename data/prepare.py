@@ -181,15 +181,13 @@ def write_splits(files, options, tokenizer, end_of_text: int, val, folder: Path,
         def flush():
             encoded = tokenizer.encode_batch_fast([text for _, text in batch],
                                                   add_special_tokens=False)
-            tokens = 0
             for (index, _), encoding in zip(batch, encoded):
                 split = "val" if val[index] else "train"
                 ids = np.array([*encoding.ids, end_of_text], dtype)
                 ids.tofile(held_out if split == "val" else train)
                 counts[split]["documents"] += 1
                 counts[split]["tokens"] += len(ids)
-                tokens += len(ids)
-            progress.advance(done, tokens)
+            progress.advance(done, sum(len(encoding.ids) + 1 for encoding in encoded))
             batch.clear()
 
         for index, text, size in documents(files, options.text_field):
