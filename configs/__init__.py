@@ -71,8 +71,7 @@ XLA_FLAG_TYPES = {LHS: bool, PIPELINED: bool, ASYNC_LIMIT: int}
 
 def xla_flag_value(text: str) -> bool | int | str:
     """An XLA flag's value as a compile passes it (trainer/target.py)."""
-    booleans = {"true": True, "false": False}
-    return booleans.get(text.lower(), int(text) if text.isdigit() else text)
+    return {"true": True, "false": False}.get(text.lower(), int(text) if text.isdigit() else text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +137,12 @@ class RunConfig:
         return self.global_batch or self.per_device_batch * n_devices
 
 
+# What every experiment changes at proxy scale: a short sequence, no mesh axes (a laptop may
+# have one device), and f32, since a CPU has no bf16 matmul units (the run header says so).
+PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
+                 loss_chunks=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     name: str
@@ -145,18 +150,11 @@ class Experiment:
     model: ModelConfig
     proxy_model: ModelConfig
     run: RunConfig
-    proxy_run: Mapping[str, Any]  # RunConfig fields that change at proxy scale
 
     def at_scale(self, scale: str) -> tuple[ModelConfig, RunConfig]:
         if scale == "full":
             return self.model, self.run
-        return self.proxy_model, dataclasses.replace(self.run, **self.proxy_run)
-
-
-# What every experiment changes at proxy scale: a short sequence, no mesh axes (a laptop may
-# have one device), and f32, since a CPU has no bf16 matmul units (the run header says so).
-PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
-                 loss_chunks=1)
+        return self.proxy_model, dataclasses.replace(self.run, **PROXY_RUN)
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
@@ -169,7 +167,7 @@ STUDY_TFLOPS: dict[str, float] = {}
 def register(name: str, summary: str, model: ModelConfig, proxy_model: ModelConfig,
              run: RunConfig, **run_changes) -> None:
     EXPERIMENTS[name] = Experiment(name, summary, model, proxy_model,
-                                   dataclasses.replace(run, **run_changes), PROXY_RUN)
+                                   dataclasses.replace(run, **run_changes))
 
 
 class ConfigError(ValueError):

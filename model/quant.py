@@ -125,8 +125,7 @@ def round_stochastic(v: jax.Array, bits: jax.Array) -> jax.Array:
     step = _e2m1_step(magnitude)
     low = jnp.floor(magnitude / step) * step
     uniform = (bits >> 8).astype(jnp.float32) * 2.0**-24
-    rounded = jnp.where(uniform < (magnitude - low) / step, low + step, low)
-    return jnp.copysign(rounded, v)
+    return jnp.copysign(jnp.where(uniform < (magnitude - low) / step, low + step, low), v)
 
 
 def quantize(w: jax.Array, axis: int, two_d: bool = False, bits: jax.Array | None = None,
