@@ -77,8 +77,3 @@ def checkpoint_policy(table: Mapping[str, str]):
         names_which_can_be_saved=[t for t, p in table.items() if p == "device"],
         names_which_can_be_offloaded=[t for t, p in table.items() if p == "offload"],
         offload_src="device", offload_dst="pinned_host")
-
-
-def checkpoint_policies(placement: Mapping[str, Mapping[str, str]] | None) -> dict:
-    """scan -> policy; empty (no checkpointing) without a placement."""
-    return {scan: checkpoint_policy(t) for scan, t in (placement or {}).items()}

@@ -43,7 +43,7 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
     elif hasattr(model, "n_experts"):
         auto = "dense" if target.platform == "cpu" else "sorted"
         experts = auto if run.expert_path == "auto" else run.expert_path
-    policies = tuple(activations.checkpoint_policies(placement).items())
+    policies = tuple((s, activations.checkpoint_policy(t)) for s, t in (placement or {}).items())
     return ForwardOptions(run.compute_dtype, policies, rules,
                           None if attention == "xla" else attention,
                           quantization(run, target), experts, parallel)
