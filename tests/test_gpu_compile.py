@@ -371,6 +371,31 @@ def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
         "None (0.8, 'XLA_PYTHON_CLIENT_MEM_FRACTION')")
 
 
+def test_a_gpu_compile_needs_no_cuda_toolkit(tmp_path):
+    """XLA assembles every GPU kernel with ptxas. The gpu-compile extra pins one
+    (nvidia-cuda-nvcc-cu12) and JAX points XLA at it, so a machine without a CUDA toolkit
+    compiles as this one does. Without that package XLA looks on the PATH, tries the ptxas
+    put first there (which notes the call) and, that one failing, takes the next it finds."""
+    calls = tmp_path / "calls"
+    ptxas = tmp_path / "bin" / "ptxas"
+    ptxas.parent.mkdir()
+    ptxas.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexit 1\n")
+    ptxas.chmod(0o755)
+    code = ("from runtime import backend; import jax, jax.numpy as jnp\n"
+            "from study.compile_only import compile_only; from study.gpus import GPUS\n"
+            "h200 = jax.sharding.SingleDeviceSharding(compile_only(GPUS['h200'], 1).devices[0])\n"
+            "x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=h200)\n"
+            "compiled = jax.jit(lambda x: jnp.tanh(x @ x).sum(0)).trace(x).lower().compile()\n"
+            "print(compiled.input_shardings[0][0].device_set)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT,
+                            env={**os.environ, "PATH": f"{ptxas.parent}{os.pathsep}"
+                                                       f"{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr
+    assert "H200" in result.stdout  # compiled for the GPU
+    assert not calls.exists(), calls.read_text()
+
+
 def test_compile_command_prints_compiled_memory_beside_the_plan(capsys, tmp_path):
     assert study_main(["compile", "llama8b-offload", "model.n_layers=2",
                        f"out_dir={tmp_path}"]) == 0
