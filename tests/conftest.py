@@ -38,9 +38,10 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _FLAGS]
     + [f"{k}={v}" for k, v in _FLAGS.items()])
 
-from runtime import backend  # noqa: E402,F401  (before JAX: no CUDA plugin start-up noise without a GPU)
+from runtime import backend  # noqa: E402  (before JAX: no CUDA plugin start-up noise without a GPU)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
@@ -51,6 +52,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def pytest_sessionfinish(session, exitstatus):
     if _OWNER:
         shutil.rmtree(os.environ["OFFLOAD_TRAINER_TEST_CACHE"], ignore_errors=True)
+
+
+def pytest_runtest_setup(item):
+    """A test that compiles for a GPU fails, never skips, where XLA's GPU compiler is missing:
+    `make test-gpu-compile` installs it, and a broken install must not pass as green."""
+    if item.get_closest_marker("gpu_compile") and not backend.has_cuda_plugin():
+        pytest.fail("compiles for a GPU: needs the gpu-compile extra (make test-gpu-compile)",
+                    pytrace=False)
 
 
 from model import families  # noqa: E402

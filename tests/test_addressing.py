@@ -26,6 +26,7 @@ from trainer.target import Target
 FIXTURES = offload_probe.FIXTURES
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("remat3", [False, True], ids=["remat", "remat3"])
 @pytest.mark.parametrize("options", [{}, offload_probe.PIPELINED], ids=["plain", "pipelined"])
 def test_the_pinned_jax_reads_host_buffers_back_in_reverse_layer_order(options, remat3):
@@ -312,6 +313,7 @@ def _reads_walking_forward(policy, weights, x):
     return got if policy is None else got[::-1]
 
 
+@pytest.mark.gpu_compile
 def test_the_probes_offloading_program_keeps_its_value_in_host_memory():
     """Guards the class: a check that compares a thing with itself (the probe's offloading
     program keeping its tag on the device, so that host_reads_in_order compares a device

@@ -27,6 +27,7 @@ def test_gpu_check_measures_a_row(row, capsys):
     assert math.isnan(result["peak_device_gib"])  # the CPU backend reports no memory stats
 
 
+@pytest.mark.gpu_compile
 def test_the_compile_table_compiles_a_row(capsys):
     assert study_main(["compile-table", "llama8b-offload", "model.n_layers=2"]) == 0
     row = capsys.readouterr().out.splitlines()[-1].split(" | ")

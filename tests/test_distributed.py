@@ -147,6 +147,7 @@ def sbatch_options(script: Path) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", script.read_text(), re.M))
 
 
+@pytest.mark.gpu_compile  # without the CUDA plugin the script installs it (launch.sh)
 @pytest.mark.parametrize("script, gpus, device", [("gb200-nvl72.sbatch", 128, ""),
                                                   ("h100-8gpu.sbatch", 8, "h100")])
 def test_slurm_scripts_reach_the_detection(script, gpus, device, tmp_path, environment):

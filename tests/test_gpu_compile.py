@@ -34,6 +34,8 @@ from test_invariances import NEVER_NEEDED
 from study.__main__ import main as study_main
 from trainer import target as trainer_target
 
+pytestmark = pytest.mark.gpu_compile
+
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fewer layers, full width, the real sequence and micro batch. Two per scan: XLA stacks an
@@ -68,15 +70,16 @@ IN_HOST_MEMORY = {
 FULL_DEPTH = {"deepseek671b-offload", "deepseek671b-offload-nolhs"}
 # Latency hiding on and off (assert_scheduled).
 LHS_ROWS = {"deepseek671b-offload": True, "deepseek671b-offload-nolhs": False}
-# The rows `make test` compiles: together they show each thing only a GPU compile shows, once
-# (FP4 GEMMs and gathers, LHS on and off, pipelined offload and the same step without the
-# flag, Hopper and the state on host, MLA and the expert exchanges, the study's memory). The
-# other rows' placements are checked on their exported programs (tests/test_invariances.py);
-# their full-width compiles, ~3 minutes more here, run in `make test-all` (marked slow).
-IN_MAKE_TEST = {"llama405b-offload", "llama70b-8xh200", *FULL_DEPTH}
+# The rows `make test-gpu-compile` compiles: together they show each thing only a GPU compile
+# shows, once (FP4 GEMMs and gathers, LHS on and off, pipelined offload and the same step
+# without the flag, Hopper and the state on host, MLA and the expert exchanges, the study's
+# memory). The other rows' placements are checked on their exported programs
+# (tests/test_invariances.py); their full-width compiles, ~3 minutes more here, run in
+# `make test-all` (marked slow).
+COMPILED_IN_CI = {"llama405b-offload", "llama70b-8xh200", *FULL_DEPTH}
 
 
-def rows(names, compiled=IN_MAKE_TEST) -> list:
+def rows(names, compiled=COMPILED_IN_CI) -> list:
     return [pytest.param(n, marks=[] if n in compiled else pytest.mark.slow)
             for n in sorted(names)]
 

@@ -147,8 +147,8 @@ def test_the_exported_program_offloads_exactly_the_table(name, preset, changes):
 
 
 def test_every_rows_placement_is_one_exported_above():
-    """(So the rows `make test` does not compile for a GPU still have their placement checked
-    on an exported program: tests/test_gpu_compile.py.)"""
+    """(So the rows `make test-gpu-compile` does not compile for a GPU still have their
+    placement checked on an exported program: tests/test_gpu_compile.py.)"""
     for experiment in configs.EXPERIMENTS.values():
         if not experiment.run.placement:  # (those with changes are exported as they are)
             assert experiment.run.preset in EXPORTED[family_of(experiment)][1], experiment.name
