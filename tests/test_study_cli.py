@@ -11,7 +11,6 @@ import pytest
 from configs import ASYNC_LIMIT, LHS
 from model import deepseek
 from runtime import checkpoints
-from runtime.backend import has_cuda_plugin
 from study import bench, checkpoint_bench, cli, compile_table, gpu_check, step_times
 from study.__main__ import main as study_main
 
@@ -198,7 +197,7 @@ def test_the_out_dir_check_looks_for_no_checkpoint(mode, unbuilt, monkeypatch):
                     f"checkpoint_dir={unbuilt}/checkpoints", f"out_dir={unbuilt}"])
 
 
-@pytest.mark.skipif(not has_cuda_plugin(), reason="compiling for a GPU needs the CUDA plugin")
+@pytest.mark.gpu_compile
 def test_another_xla_flags_value_is_one_line_when_xla_parses_it(tmp_path, capsys):
     """A flag whose type configs does not know is typed by XLA, when it parses the compile's
     options (before it compiles): one line too, after the step is traced."""
