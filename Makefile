@@ -4,7 +4,8 @@ PYTHON ?= $(shell scripts/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
-# XLA's GPU compiler (the CUDA plugin, cuDNN and ptxas, ~2.7 GB more): for --compile and the tests.
+# XLA's GPU compiler (the CUDA plugin, cuDNN and ptxas, ~2.7 GB more): for make compile-... and
+# make test-gpu-compile.
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
 .PHONY: help install install-gpu install-gpu-compile lint test test-gpu-compile test-all bench \
