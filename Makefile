@@ -4,8 +4,8 @@ PYTHON ?= $(shell scripts/find-python)
 VENV := .venv
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
-# XLA's GPU compiler (the CUDA plugin, cuDNN and ptxas, ~2.7 GB more): for make compile-... and
-# make test-gpu-compile.
+# XLA's GPU compiler (the CUDA plugin, cuDNN and ptxas, ~2.7 GB more): for the study's GPU
+# compiles (make compile-..., step-times) and make test-gpu-compile / test-all.
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
 .PHONY: help install install-gpu install-gpu-compile lint test test-gpu-compile test-all bench \

@@ -55,11 +55,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_runtest_setup(item):
-    """A test that compiles for a GPU fails, never skips, where XLA's GPU compiler is missing:
+    """A test marked gpu_compile errs, never skips, where XLA's GPU compiler is missing:
     `make test-gpu-compile` installs it, and a broken install must not pass as green."""
     if item.get_closest_marker("gpu_compile") and not backend.has_cuda_plugin():
-        pytest.fail("compiles for a GPU: needs the gpu-compile extra (make test-gpu-compile)",
-                    pytrace=False)
+        pytest.fail("needs the gpu-compile extra (make test-gpu-compile)", pytrace=False)
 
 
 from model import families  # noqa: E402

@@ -34,8 +34,6 @@ from test_invariances import NEVER_NEEDED
 from study.__main__ import main as study_main
 from trainer import target as trainer_target
 
-pytestmark = pytest.mark.gpu_compile
-
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fewer layers, full width, the real sequence and micro batch. Two per scan: XLA stacks an
@@ -175,6 +173,7 @@ def test_the_experiment_table_is_covered():
     assert set(IN_HOST_MEMORY) == set(configs.EXPERIMENTS)
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("name", rows(IN_HOST_MEMORY))
 def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
     """A GPU run's own path up to its first step, on compile-only GPUs, beside the study's
@@ -267,6 +266,7 @@ def assert_every_gemm_of_a_layer_is_fp4(module, matrices: dict, layers: int):
                 if dtype in ("bf16", "f16", "f32") and shape in shapes]
 
 
+@pytest.mark.gpu_compile
 def test_jaxs_nvfp4_recipe_compiles_for_a_gpu():
     """quant_backward=bf16 (JAX's recipe: the forward in FP4, the backward in bf16) with 1x16
     weight blocks, a path no study row takes, on compile-only GB200s: each layer matrix's
@@ -278,6 +278,7 @@ def test_jaxs_nvfp4_recipe_compiles_for_a_gpu():
     assert {"fprop": 7} in loops and all(set(gemms) == {"fprop"} for gemms in loops)
 
 
+@pytest.mark.gpu_compile
 def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     """What a run on 8 H200s does before its first step, on compile-only devices: the step
     compiled with the run's own kernels and flags, beside the full-scale plan (traced with
@@ -329,6 +330,7 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     assert own_program.CompiledMemory.of(row.compiled) == own_program.CompiledMemory.of(default)
 
 
+@pytest.mark.gpu_compile
 def test_sorted_experts_compile_for_a_gpu():
     """Without expert parallelism a GPU computes routed experts as sorted grouped GEMMs
     (`ragged_dot`), a path no study row takes: the DeepSeek proxy in bf16 on 8 compile-only
@@ -345,6 +347,7 @@ def test_sorted_experts_compile_for_a_gpu():
             if line.in_host_memory} == {t for t in DEEPSEEK if t[0] == "moe_layers"}
 
 
+@pytest.mark.gpu_compile
 def test_cudnn_takes_mla_attention_unpadded():
     """The cuDNN path traced for a Hopper target: q/k 192 wide, v 128, no pad of v."""
     q = jax.ShapeDtypeStruct((1, 256, 4, 192), jnp.bfloat16)
@@ -374,6 +377,7 @@ def test_the_memory_fraction_is_set_before_jax_starts_and_never_twice():
         "None (0.8, 'XLA_PYTHON_CLIENT_MEM_FRACTION')")
 
 
+@pytest.mark.gpu_compile
 def test_a_gpu_compile_needs_no_cuda_toolkit(tmp_path):
     """XLA assembles every GPU kernel with ptxas. The gpu-compile extra pins one
     (nvidia-cuda-nvcc-cu12) and JAX points XLA at it, so a machine without a CUDA toolkit
@@ -399,6 +403,7 @@ def test_a_gpu_compile_needs_no_cuda_toolkit(tmp_path):
     assert not calls.exists(), calls.read_text()
 
 
+@pytest.mark.gpu_compile
 def test_compile_command_prints_compiled_memory_beside_the_plan(capsys, tmp_path):
     assert study_main(["compile", "llama8b-offload", "model.n_layers=2",
                        f"out_dir={tmp_path}"]) == 0
@@ -476,6 +481,7 @@ def outside_loops(hlo_text: str) -> collections.Counter:
 PIPELINED_TWINS = {"llama405b-offload-pipelined": "llama405b-offload"}
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("name", rows(set(PIPELINED_ROWS) - set(PIPELINED_TWINS),
                                      compiled={"llama70b-8xh200"}))
 def test_without_the_pipelined_flag_every_host_write_is_in_its_loop(name):
@@ -497,6 +503,7 @@ def test_a_pipelined_twin_differs_in_the_flag_alone():
         assert configs.get(twin).run == dataclasses.replace(configs.get(row).run, xla_flags=flags)
 
 
+@pytest.mark.gpu_compile
 def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():
     """Every GEMM XLA compiled, found and counted by the replay from the optimized HLO alone,
     adds up to the dot FLOPs of the traced gradient (XLA's attention kernel and no NVFP4, so
