@@ -121,8 +121,10 @@ def assert_trees_close(got, want, rel: float) -> None:
             f"{scale:.3g}")
 
 
+# Proxies narrowed from 512 to 128 wide: the same code on every path, a CPU step ~4x faster.
+NARROW = ["model.d_model=128", "model.d_ff=256"]
 # A small proxy run of the real experiments: 2 layers, 32 tokens, 8 devices x batch 2.
-SMALL = ["steps=3", "seq=32", "model.n_layers=2", "model.vocab=512"]
+SMALL = ["steps=3", "seq=32", "model.n_layers=2", "model.vocab=512", *NARROW]
 
 
 def run_cli(args, tmp_path, capsys):

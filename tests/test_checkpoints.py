@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import train
-from conftest import start_state
+from conftest import NARROW, start_state
 from hf.load import load_checkpoint
 from model import families
 from model.params import abstract_params
@@ -25,7 +25,7 @@ from runtime import setup as runtime_setup
 from trainer import target as trainer_target
 
 # Proxy runs of the real experiments: 2 layers, 32 tokens, 8 devices x batch 2, 4 steps.
-SMALL = ["steps=4", "seq=32", "model.n_layers=2", "model.vocab=512"]
+SMALL = ["steps=4", "seq=32", "model.n_layers=2", "model.vocab=512", *NARROW]
 
 
 def cli(args, capsys):
@@ -128,9 +128,10 @@ def test_deepseek_resume_with_router_bias_updates_is_bit_identical(tmp_path, cap
                               start["moe_layers"]["router_bias"])  # the bias did move
 
 
-STEPS = 60  # of ~50 ms: long enough for a signal to land mid-run
+STEPS = 60  # long enough for a signal to land mid-run
 # One layer, no NVFP4 (its resume has its own test above: its emulation slows a CPU step).
-ONE_LAYER = ["llama405b-offload", "seq=32", "model.n_layers=1", "model.vocab=512", "quant=none"]
+ONE_LAYER = ["llama405b-offload", "seq=32", "model.n_layers=1", "model.vocab=512", "quant=none",
+             *NARROW]
 
 
 def _start(args: list[str], out_dir: Path) -> subprocess.Popen:
@@ -206,7 +207,7 @@ def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
     cases = [
         [*small, "resume=/nonexistent/run"], [*small, f"resume={empty}"],
         [*small, f"resume={partial}"], [*small, f"resume={corrupt / '2'}"],
-        [*small, f"resume={run_dir}", "seed=1"], [*small, f"resume={run_dir}", "model.d_ff=256"],
+        [*small, f"resume={run_dir}", "seed=1"], [*small, f"resume={run_dir}", "model.d_ff=384"],
         [*small, f"resume={run_dir}"],  # already at its last step
         [*small, f"out_dir={a_file}"], [*small, f"out_dir={a_file / 'below'}"],
         [*small, f"checkpoint_dir={run_dir / 'checkpoints'}"],

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-
+from conftest import NARROW
 from data.tokens import token_source
 from model.sharding import AxisRules, make_mesh
 from trainer.program import global_batch
@@ -98,7 +98,7 @@ def test_a_resumed_run_on_a_token_file_continues_its_losses(token_file, tmp_path
     would give the resumed run steps 1-2's data again)."""
     import train  # (here: JAX starts after conftest.py's settings)
     args = ["llama405b-offload", "steps=4", "seq=32", "model.n_layers=1", f"model.vocab={VOCAB}",
-            "quant=none", f"data.path={token_file}", "checkpoint_every=2",
+            *NARROW, "quant=none", f"data.path={token_file}", "checkpoint_every=2",
             f"out_dir={tmp_path / 'runs'}"]
     assert train.main(args) == 0, capsys.readouterr().err
     (whole,) = (tmp_path / "runs").iterdir()

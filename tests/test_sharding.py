@@ -54,8 +54,6 @@ def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
                  sharded, reference)
 
 
-
-
 # Under expert parallelism each device runs its experts as one GEMM over their blocks, whatever
 # expert_path says. Mesh (data, fsdp, expert).
 @pytest.mark.parametrize("expert_path, mesh", [

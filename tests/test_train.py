@@ -21,11 +21,12 @@ from conftest import SMALL, run_cli
 
 
 def proxy_losses(batches, lr: float, cfg=None, options=ForwardOptions()) -> list[float]:
-    """The loss of each step of the llama405b proxy (2 layers, vocab 256; or `cfg`) on one
-    device, one step per batch, from the same initial weights, its forward as `options` say."""
+    """The loss of each step of the llama405b proxy (2 layers 128 wide, vocab 256; or `cfg`) on
+    one device, one step per batch, from the same initial weights, its forward as `options`
+    say."""
     if cfg is None:
         cfg = configs.get("llama405b-offload").proxy_model
-        cfg = dataclasses.replace(cfg, n_layers=2, vocab=256)
+        cfg = dataclasses.replace(cfg, n_layers=2, vocab=256, d_model=128, d_ff=256)
     mesh = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     params = init_params(llama.param_specs(cfg), AxisRules(mesh=mesh), jax.random.key(0))
     optimizer = make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0), steps=len(batches))
@@ -109,9 +110,8 @@ def test_every_deepseek_rows_proxy_trains_with_its_experts_split_over_an_expert_
     each step line says what was dropped, overall and for the worst device's experts, and
     the header names the split."""
     for name in DEEPSEEK_ROWS:
-        code, out, err = run_cli([name, "steps=2", "seq=32", "model.n_layers=2",
-                                  "model.vocab=512", "mesh.expert=4", "expert_capacity=1.0"],
-                                 tmp_path / name, capsys)
+        code, out, err = run_cli([name, *SMALL, "steps=2", "mesh.expert=4",
+                                  "expert_capacity=1.0"], tmp_path / name, capsys)
         assert code == 0, err
         assert "experts split over the 4 devices of each expert group (blocks 1x" in out
         assert "fsdp': 2, 'expert': 4" in out
