@@ -17,7 +17,7 @@ from model.sharding import AxisRules, make_mesh
 from offload import activations
 from data.tokens import SyntheticTokens, TokenFile
 from trainer.step import device_update, loss_fn, make_optimizer, train_step
-from conftest import SMALL, run_cli
+from conftest import NARROW, SMALL, run_cli
 
 
 def proxy_losses(batches, lr: float, cfg=None, options=ForwardOptions()) -> list[float]:
@@ -110,7 +110,8 @@ def test_every_deepseek_rows_proxy_trains_with_its_experts_split_over_an_expert_
     each step line says what was dropped, overall and for the worst device's experts, and
     the header names the split."""
     for name in DEEPSEEK_ROWS:
-        code, out, err = run_cli([name, *SMALL, "steps=2", "mesh.expert=4",
+        code, out, err = run_cli([name, "steps=2", "seq=32", "model.n_layers=2",
+                                  "model.vocab=512", *NARROW, "mesh.expert=4",
                                   "expert_capacity=1.0"], tmp_path / name, capsys)
         assert code == 0, err
         assert "experts split over the 4 devices of each expert group (blocks 1x" in out
