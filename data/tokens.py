@@ -100,10 +100,6 @@ class PreparedTokens(TokenFile):
                               f"data.path={path}: {VAL}")
                     if self.meta["splits"]["val"]["tokens"] else None)
 
-    @property
-    def tokenizer(self) -> Path:
-        return self.folder / TOKENIZER
-
     def describe(self) -> str:
         words = ", ".join(f"{split} {s['tokens']:,} tokens ({s['documents']:,} documents)"
                           for split, s in self.meta["splits"].items())

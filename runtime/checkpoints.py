@@ -84,7 +84,6 @@ class Source:
     """A checkpoint directory and the steps to try, newest first (one when a step was named)."""
     directory: Path
     steps: tuple[int, ...]
-    named_step: bool
 
     def meta(self, step: int) -> dict:
         where = self.directory / str(step)
@@ -114,17 +113,17 @@ def find(target: str, out_dir: str, run_prefix: str, said: str = "resume=") -> S
         runs = sorted(Path(out_dir).glob(f"{run_prefix}-*"), key=_run_order, reverse=True)
         for run_dir in runs:
             if steps := _complete_steps(run_dir / "checkpoints"):
-                return Source(run_dir / "checkpoints", tuple(steps), False)
+                return Source(run_dir / "checkpoints", tuple(steps))
         raise CheckpointNotFound(f"{said}latest: no run folder {out_dir}/{run_prefix}-* holds a "
                                  "complete checkpoint")
     path = Path(target)
     if not path.exists():
         raise CheckpointNotFound(f"{said}{target}: no such file or directory")
     if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
-        return Source(path.parent, (int(path.name),), True)
+        return Source(path.parent, (int(path.name),))
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if steps := _complete_steps(directory):
-        return Source(directory, tuple(steps), False)
+        return Source(directory, tuple(steps))
     partial = [p.name for p in directory.glob("*.orbax-checkpoint-tmp*")]
     why = f"only an unfinished save ({partial[0]})" if partial else "no complete checkpoint"
     raise CheckpointNotFound(f"{said}{target}: {why} in {directory}")
@@ -178,11 +177,10 @@ def restore(source: Source, abstract_state: dict) -> tuple[dict, dict]:
             read = bool(np.all(multihost_utils.process_allgather(np.array(read))))
         if read:
             return {"params": got["params"], **got["optimizer"]}, got["meta"]
-        if source.named_step or step == source.steps[-1]:
+        if step == source.steps[-1]:
             raise CheckpointNotFound(problem) from None
         if jax.process_index() == 0:
             print(f"warning: {problem}; trying the one before it", file=sys.stderr)
-    raise AssertionError("unreachable: Source has at least one step")
 
 
 def read_params(source: Source, abstract_params) -> tuple[dict, dict]:

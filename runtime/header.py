@@ -35,12 +35,6 @@ def flags_line(run, target) -> str:
     return f"{flags} [applied]; XLA_FLAGS (every compile): {os.environ.get('XLA_FLAGS', '')}"
 
 
-def training_flops(model, program) -> float:
-    """Model FLOPs of one step per device (MaxText's formula: model/llama.py, deepseek.py)."""
-    devices = len(program.target.devices)
-    return families.of(model).training_flops(model, program.batch_size / devices, program.run.seq)
-
-
 def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str, str]:
     """Every row but the compiled program's (memory, compile): what the settings say."""
     run, full = setup.run, setup.experiment

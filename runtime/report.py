@@ -16,6 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import configs
+from model import families
 from runtime import header, own_program
 from runtime.own_program import GiB
 
@@ -92,7 +93,9 @@ class StepLog:
 
     def __init__(self, setup, program, run_dir: RunDir, first_step: int):
         self.run, self.program, self.run_dir = setup.run, program, run_dir
-        self.flops = header.training_flops(setup.model, program)
+        # Model FLOPs of one step per device, by MaxText's formula (model/llama.py, deepseek.py)
+        per_device = program.batch_size / len(program.target.devices)
+        self.flops = families.of(setup.model).training_flops(setup.model, per_device, setup.run.seq)
         self.tokens, self.first_step = program.batch_size * setup.run.seq, first_step
         self.host_planned = sum(v.nbytes * v.count for sites in own_program.offloaded(
             program.traced.jaxpr).values() for v in sites)
@@ -117,9 +120,9 @@ class StepLog:
             "experiment": setup.experiment.name, "scale": setup.scale,
             "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
             "placement": setup.placement})
-        flops = header.training_flops(setup.model, program)
-        say("\n".join(header.lines(setup, program, run_dir, flops, first_step)))
-        return cls(setup, program, run_dir, first_step)
+        log = cls(setup, program, run_dir, first_step)
+        say("\n".join(header.lines(setup, program, run_dir, log.flops, first_step)))
+        return log
 
     def starting(self, step: int) -> None:
         if self.run_dir.main and self.profiled and step == self.profiled[0]:

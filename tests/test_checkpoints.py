@@ -43,7 +43,7 @@ def saved_params(step_dir: Path, like: dict) -> dict:
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
                             like)
-    source = checkpoints.Source(step_dir.parent, (int(step_dir.name),), True)
+    source = checkpoints.Source(step_dir.parent, (int(step_dir.name),))
     return jax.tree.map(np.asarray, checkpoints.read_params(source, abstract)[0])
 
 

@@ -118,7 +118,7 @@ class Program:
     resume reads its checkpoint against `state_shapes` before anything compiles."""
 
     def __init__(self, model, run: RunConfig, placement: dict | None, target: Target):
-        self.model, self.run, self.placement, self.target = model, run, placement, target
+        self.model, self.run, self.target = model, run, target
         self.rules = AxisRules(mesh=mesh_of(run, target.devices))
         self.optimizer = make_optimizer(run.optimizer, run.steps)
         self.options = forward_options(model, run, placement, self.rules, target)
