@@ -7,6 +7,7 @@ per test session, shared by the xdist workers and the subprocesses they start, c
 once. It starts empty, so nothing from an earlier session or another jax is reused.
 """
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -28,12 +29,15 @@ else:
 # level and the CPU compiles (most of this suite's time) take half as long; subprocesses the
 # tests start inherit it. A result can differ from -O1's in float32's last bits, so every
 # bit-exact comparison here compares programs compiled alike. (-O1 runs NVFP4 proxy steps
-# faster, but its longer compiles cost the suite more than that saves.) GPU kernels are
-# compiled once per worker, kept in the session's cache: one model's rows share most of them.
+# faster, but its longer compiles cost the suite more than that saves.) Where XLA's GPU
+# compiler is installed, GPU kernels are compiled once per worker, kept in the session's cache:
+# one model's rows share most of them. Only there: every XLA flag is part of JAX's cache key,
+# and a flag naming its worker's file would keep the workers from sharing any program.
 _CACHE = os.environ["OFFLOAD_TRAINER_TEST_CACHE"]
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-_FLAGS = {"--xla_backend_optimization_level": "0",
-          "--xla_gpu_kernel_cache_file": f"{_CACHE}/kernels-{_WORKER}.bin"}
+_FLAGS = {"--xla_backend_optimization_level": "0"}
+if importlib.util.find_spec("jax_cuda12_plugin"):
+    _FLAGS["--xla_gpu_kernel_cache_file"] = f"{_CACHE}/kernels-{_WORKER}.bin"
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _FLAGS]
     + [f"{k}={v}" for k, v in _FLAGS.items()])
