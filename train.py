@@ -133,7 +133,7 @@ def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
         return first, None, rest
     if first.startswith("-"):
         raise ConfigError(f"unknown flag {first!r}: the first word names an experiment "
-                          "(python train.py --list), export, --list or --help")
+                          "(python train.py --list), export, prepare, sample, --list or --help")
     if flags := [a for a in rest if a.startswith("-")]:
         if flags[0] in ("--plan", "--compile", "--search"):  # modes that moved to study/
             raise ConfigError(f"{flags[0]} is a study tool now: python -m study "

@@ -1,4 +1,4 @@
-"""A first run on real text: a small Llama trained on Shakespeare's plays on one CPU in about
+"""A first run on real text: a small Llama trained on Shakespeare's plays on one CPU in two to
 four minutes (make shakespeare; docs/data.md has its numbers)."""
 
 from configs import DataConfig, MeshConfig, OptimizerConfig, RunConfig, register
