@@ -47,10 +47,10 @@ class Model:
     def __init__(self, run: str):
         source = checkpoints.find(run, "runs", "*", "sample ")
         meta = source.meta(source.steps[0])
-        self.step, self.window = meta["step"], meta["run"]["seq"]
+        self.checkpoint, self.window = source.directory / str(source.steps[0]), meta["run"]["seq"]
         folder = Path(meta["run"]["data"]["path"] or ".")
         if not (folder / TOKENIZER).is_file() or not (folder / META).is_file():
-            raise ConfigError(f"sample: {run} trained on "
+            raise ConfigError(f"sample: {self.checkpoint} trained on "
                               + (f"{folder}, which holds no {TOKENIZER} and {META}"
                                  if meta["run"]["data"]["path"] else "synthetic tokens")
                               + ": there is no tokenizer to turn its tokens into text")
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     model = Model(run)
     new = generate(model, options["prompt"], options["tokens"], options["temperature"],
                    options["top_k"], options["seed"])
-    print(f"sampled from {run} (step {model.step}), temperature {options['temperature']:g}, "
+    print(f"sampled from {model.checkpoint}, temperature {options['temperature']:g}, "
           f"top_k {options['top_k']}, seed {options['seed']}:")
     print(options["prompt"] + model.tokenizer.decode(new, skip_special_tokens=True))
     return 0

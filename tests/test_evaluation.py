@@ -214,3 +214,17 @@ def test_sample_needs_a_checkpoint_and_a_tokenizer(tmp_path, capsys, monkeypatch
     assert train.main(["sample", str(run_dir.relative_to(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "synthetic tokens: there is no tokenizer" in err
+
+
+def test_sample_latest_names_the_checkpoint_it_found(trained, tmp_path, capsys, monkeypatch):
+    """`latest` passes over a newer run folder that saved no checkpoint (as the study's rows
+    save none unless asked): the text comes from the older run, and the first line says so."""
+    import train
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / trained.name).symlink_to(trained)
+    (runs / "llama405b-offload-proxy-29991231-235959").mkdir()  # newer, no checkpoints/
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["sample", "latest", "tokens=2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"sampled from runs/{trained.name}/checkpoints/40, "), first
