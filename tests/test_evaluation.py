@@ -1,6 +1,7 @@
 """Training on prepared text: the held-out loss (what it averages, over which windows, the
 same at every evaluation and across a resume), TensorBoard's copy of the metrics, a run that
-learns, and `python train.py sample` (data/tokens.py, runtime/setup.evaluate, runtime/sample.py)."""
+learns, and `python train.py sample` (data/tokens.py, trainer/program.py's Program.evaluate,
+runtime/sample.py)."""
 
 import json
 import struct
