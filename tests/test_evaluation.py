@@ -229,3 +229,24 @@ def test_sample_latest_names_the_checkpoint_it_found(trained, tmp_path, capsys, 
     assert train.main(["sample", "latest", "tokens=2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"sampled from runs/{trained.name}/checkpoints/40, "), first
+
+
+SAMPLE_MISTAKES = {
+    "no run": [], "a flag for the run": ["--latest"], "key=value first": ["tokens=5"],
+    "unknown key": ["latest", "top_p=0.9"], "a word that is not key=value": ["latest", "ROMEO"],
+    "not a number": ["latest", "tokens=many"], "no tokens": ["latest", "tokens=0"],
+    "negative temperature": ["latest", "temperature=-1"], "negative top_k": ["latest", "top_k=-5"],
+    "negative seed": ["latest", "seed=-1"],
+}
+
+
+@pytest.mark.parametrize("args", SAMPLE_MISTAKES.values(), ids=SAMPLE_MISTAKES)
+def test_sample_mistakes_are_one_line_before_any_checkpoint_is_read(args, tmp_path, capsys,
+                                                                   monkeypatch):
+    import train
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sample, "Model", lambda run: pytest.fail("a checkpoint was looked for"))
+    assert train.main(["sample", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    assert not list(tmp_path.iterdir())
