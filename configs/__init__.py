@@ -1,7 +1,8 @@
 """Run configs, named experiments, and `key=value` overrides. No JAX import (see model.config).
 
 An experiment is a full-scale model and run (the study's setting) plus a proxy: the same family
-at a size a laptop's CPU trains (docs/runs.md). `scale=auto` picks whichever the machine can run."""
+at a size a laptop's CPU trains; between them, the fit scale keeps the full-scale layers, as
+many as fit the machine's GPUs (docs/runs.md). `scale=auto` picks what the machine can run."""
 
 import dataclasses
 import math
@@ -16,7 +17,7 @@ from model.config import DeepSeekConfig, LlamaConfig
 ModelConfig = LlamaConfig | DeepSeekConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
-SCALES = ("auto", "full", "proxy")
+SCALES = ("auto", "full", "fit", "proxy")
 
 
 def setting(default, allowed: str | tuple | None = None, *, resume: str = "free", shown: str = ""):
@@ -110,6 +111,8 @@ class RunConfig:
     eval_batches: int = setting(8, ">= 1", shown="data")
     seed: int = setting(0, "in [0, 2**63) (numpy's seeds)", resume="same", shown="data")
     scale: str = setting("auto", SCALES, shown="scale")
+    # scale=fit: GiB a device's program may hold (0: XLA's pool on a GPU, less a margin).
+    fit_memory: float = setting(0.0, ">= 0 (0: a GPU's pool)", shown="fit")
     # A Hugging Face checkpoint directory of the experiment's family.
     init_from: str = setting("", shown="model")
     out_dir: str = setting("runs", shown="output")
@@ -123,9 +126,10 @@ class RunConfig:
     profile: bool = setting(False, shown="output")
     tensorboard: bool = setting(False, shown="output")  # an optional extra (docs/data.md)
     attention: str = setting("auto", ("auto", "cudnn", "xla"), shown="kernels")  # cudnn: GPUs
-    # MoE models only: sorted (grouped GEMMs) | dense (every expert) | auto.
+    # MoE models, dropless without an expert axis: sorted (grouped GEMMs) | dense | auto.
     expert_path: str = setting("auto", ("auto", "sorted", "dense"), shown="kernels")
-    # With mesh.expert > 1: a device's rows per expert, in balanced shares (docs/model.md).
+    # A device's rows per expert, in balanced shares, in blocks over the expert axis (and on one
+    # device without one); 0: dropless (docs/model.md).
     expert_capacity: float = setting(0.0, ">= 0 (0: dropless)", resume="same", shown="kernels")
     # The loss in sequence chunks, logits recomputed (trainer/step.py).
     loss_chunks: int = setting(1, ">= 1", shown="kernels")
@@ -140,7 +144,7 @@ class RunConfig:
 # What every experiment changes at proxy scale: a short sequence, no mesh axes (a laptop may
 # have one device), and f32, since a CPU has no bf16 matmul units (the run header says so).
 PROXY_RUN = dict(seq=256, per_device_batch=2, compute_dtype="float32", mesh=MeshConfig(),
-                 loss_chunks=1)
+                 expert_capacity=0.0, loss_chunks=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +156,8 @@ class Experiment:
     run: RunConfig
 
     def at_scale(self, scale: str) -> tuple[ModelConfig, RunConfig]:
-        if scale == "full":
+        """Full and fit: the study's model and run (a fit reduces them: runtime/fit.py)."""
+        if scale in ("full", "fit"):
             return self.model, self.run
         return self.proxy_model, dataclasses.replace(self.run, **PROXY_RUN)
 

@@ -58,6 +58,8 @@ class ExpertParallel:
     def describe(self) -> str:
         room = (f"blocks {self.capacity:g}x the balanced share" if self.capacity
                 else "blocks sized for the worst case: dropless")
+        if self.devices == 1:
+            return f"experts in blocks on each device, no expert axis ({room}; one GEMM per expert)"
         return (f"experts split over the {self.devices} devices of each expert group ({room}; "
                 "one GEMM per expert)")
 

@@ -15,6 +15,11 @@ import tempfile
 # more (docs/study.md). The other 5% is for the CUDA context and NCCL's buffers.
 MEMORY_FRACTION = 0.95
 FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+# XLA's pinned host memory (offloaded activations, optimizer_state=host) grows on demand up to
+# this many GiB a process, 64 unless set: a fit of a 405B layer's optimizer state needs more, so
+# a run raises it to 3/4 of the host's memory, never below XLA's 64 (docs/clusters.md).
+HOST_LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_HOST_LIMIT_GIB = 64
 # jaxlib 0.12.0.1's GPU compiler aborts on a scalar all-reduce over 64 GB200s ("LLVM Fatal Error
 # ... size mismatch when packing elements") in XLA's Triton one-shot kernels; XLA reads this
 # list-valued setting only from XLA_FLAGS, not from a compile's options.
@@ -30,6 +35,24 @@ def has_gpu() -> bool:
     """An NVIDIA GPU's device node (/dev/dxg under WSL) or its driver's library."""
     return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg")
                 or ctypes.util.find_library("cuda"))
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_host_limit_gib(memory: int) -> int:
+    """The pinned host limit a run sets on a machine with `memory` bytes (unless set)."""
+    return max(XLA_HOST_LIMIT_GIB, int(0.75 * memory / 2**30))
+
+
+def host_limit() -> int:
+    """Bytes of pinned host memory this process may hold: XLA's limit, within the host's."""
+    value = os.environ.get(HOST_LIMIT_VARIABLE, str(XLA_HOST_LIMIT_GIB))
+    if not value.isdigit() or int(value) < 1:
+        raise BackendError(f"{HOST_LIMIT_VARIABLE}={value!r}: expected a whole number of GiB")
+    return min(int(value) * 2**30, host_memory())
 
 
 def has_cuda_plugin() -> bool:
@@ -92,6 +115,13 @@ if has_cuda_plugin() and not has_gpu():  # the `gpu-compile` extra on a machine 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not any(os.environ.get(name) for name in FRACTION_VARIABLES):
     os.environ[FRACTION_VARIABLES[0]] = str(MEMORY_FRACTION)
+# Whether someone set it, not this module (in this process or the one that started it): the
+# study tools plan for other machines, whose runs set their own.
+_SET_HERE = "OFFLOAD_TRAINER_HOST_LIMIT_SET"
+HOST_LIMIT_GIVEN = HOST_LIMIT_VARIABLE in os.environ and _SET_HERE not in os.environ
+if HOST_LIMIT_VARIABLE not in os.environ:
+    os.environ[HOST_LIMIT_VARIABLE] = str(default_host_limit_gib(host_memory()))
+    os.environ[_SET_HERE] = "1"
 if NCCL_ALL_REDUCES.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NCCL_ALL_REDUCES}".strip()
 with quiet():  # the CUDA plugin loads (and speaks) as JAX is imported

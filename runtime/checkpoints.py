@@ -61,6 +61,7 @@ _META_KEYS = {"step", "global_batch", "model", "run", "hf_config"}
 
 def run_meta(step: int, setup, batch_size: int) -> dict:
     return {"step": step, "experiment": setup.experiment.name, "scale": setup.scale,
+            "fit": setup.fit.words if setup.fit else None,
             "global_batch": batch_size, "model": _plain(setup.model), "run": _plain(setup.run),
             "hf_config": to_hf(setup.model, setup.run.param_dtype),
             "data_position": "batches are a function of (seed, step): the step is the position"}
@@ -136,6 +137,16 @@ def check_folder(said: str, folder: str) -> None:
         raise ConfigError(f"{said}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{said}: {existing} is not writable")
+
+
+def recorded_fit(target: str, out_dir: str, run_prefix: str) -> dict[str, str]:
+    """The fit words a fit scale run's checkpoint was trained with (what a resume takes)."""
+    source = find(target, out_dir, run_prefix)
+    words = source.meta(source.steps[0]).get("fit")
+    if not isinstance(words, dict) or "model.n_layers" not in words:
+        raise CheckpointNotFound(f"resume={target}: not a fit scale run's checkpoint (it "
+                                 "records no fit); resume it at its own scale")
+    return {str(k): str(v) for k, v in words.items()}
 
 
 def check_outputs(setup, batch_size: int) -> Source | None:

@@ -9,10 +9,11 @@ from model import families
 from model.config import LlamaConfig
 from model.params import param_count
 from runtime import backend, own_program
-from runtime.own_program import GiB, CompiledMemory
+from runtime.own_program import GiB, CompiledMemory, size_words
 
-ROWS = ("experiment", "scale", "model", "full scale", "devices", "batch", "optimizer", "dtypes",
-        "kernels", "placement", "xla flags", "memory", "data", "checkpoints", "compile", "output")
+ROWS = ("experiment", "scale", "fit", "model", "full scale", "devices", "batch", "optimizer",
+        "dtypes", "kernels", "placement", "xla flags", "memory", "data", "checkpoints", "compile",
+        "output")
 _INDENT = "\n" + " " * 12  # a row's next line
 
 
@@ -41,6 +42,8 @@ def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str,
     devices = len(target.devices)
     own = full.model == full.proxy_model  # an experiment at one size (shakespeare)
     scale = ("FULL -- the experiment's model and run settings" if setup.scale == "full" else
+             "FIT -- the experiment's own layers, as many as fit this machine"
+             if setup.scale == "fit" else
              "PROXY -- its own model, with CPU settings" if own else
              "PROXY -- a small model of the same family, not the study's numbers")
     compute = run.compute_dtype
@@ -50,6 +53,7 @@ def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str,
     rows = {
         "experiment": f"{full.name}: {full.summary}",
         "scale": f"{scale}{_INDENT}(scale={run.scale}: {setup.scale_reason})",
+        "fit": _fit_words(setup, target) if setup.fit else "",
         "model": model_line(setup.model) + (f" from {run.init_from}" if run.init_from else ""),
         "full scale": "" if own else (f"{model_line(full.model)}; its memory plan and GPU "
                                       f"program: python -m study plan|compile {full.name}"),
@@ -68,6 +72,23 @@ def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str,
         "output": _output_words(setup, run_dir),
     }
     return {k: v for k, v in rows.items() if v}
+
+
+def _fit_words(setup, target) -> str:
+    """What a fit keeps and reduces, the machine and its budget, what the search found."""
+    fit, full = setup.fit, setup.experiment.model
+    reduced = [f"layers {fit.layers} of {full.n_layers}", *fit.reductions()]
+    memory = fit.memory
+    words = [f"kept: the experiment's layer, sequence, micro batch per device, dtypes, NVFP4, "
+             f"placement and XLA flags (below); reduced: {'; '.join(reduced)}",
+             f"machine: {target.description}; budget per device {fit.budget.device_words}, "
+             f"host {fit.budget.host_words}",
+             f"{fit.found()}: {fit.layers} layers take {size_words(memory.device)} per device and "
+             f"{size_words(memory.host)} in host memory (compiled)"]
+    if fit.over is not None:
+        words[-1] += (f"; one more layer does not fit: {size_words(fit.over.device)}, "
+                      f"{size_words(fit.over.host)} in host memory")
+    return _INDENT.join(words)
 
 
 def _optimizer_words(setup) -> str:
@@ -126,7 +147,8 @@ def _output_words(setup, run_dir) -> str:
     return words
 
 
-def lines(setup, program, run_dir, flops: float, first_step: int) -> list[str]:
+def lines(setup, program, run_dir, flops: float, recomputed: float,
+          first_step: int) -> list[str]:
     """The header (the program compiled), then where each offloaded activation lives."""
     compiled, target = CompiledMemory.of(program.step), program.target
     rows = settings_rows(setup, target, program.options, run_dir, first_step)
@@ -139,7 +161,8 @@ def lines(setup, program, run_dir, flops: float, first_step: int) -> list[str]:
     rows["compile"] = (f"{program.compile_s:.1f} s (the step"
                        + (" and the evaluation" if setup.run.eval_every else "")
                        + f"); model {flops / 1e12:,.2f} TFLOP per device per step "
-                       "(MaxText's formula)")
+                       f"(MaxText's formula); its checkpoint policies recompute "
+                       f"{recomputed / 1e12:.3g} TFLOP (matrix products)")
     out = ["=" * 100, *(f"{key:<11} {rows[key]}" for key in ROWS if key in rows)]
     if offloaded := own_program.offloaded(program.traced.jaxpr):
         hlo = program.step.as_text() if target.platform == "gpu" else None

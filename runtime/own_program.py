@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 from jax.extend import core as jex_core
 
+from trainer.program import Program
+
 GiB, MiB = 2**30, 2**20
 
 
@@ -75,6 +77,42 @@ def tagged_in(jaxpr, offloaded: bool = False) -> dict[str, list[Tagged]]:
 def offloaded(jaxpr) -> dict[str, list[Tagged]]:
     """tag -> the values a traced step moves to host memory right after tagging them."""
     return tagged_in(jaxpr, offloaded=True)
+
+
+def dot_flops(eqn) -> float:
+    """FLOPs of one equation's matrix products (0 for any other equation)."""
+    if eqn.primitive.name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
+    if eqn.primitive.name == "ragged_dot":  # [m, k] x [groups, k, n]: each row meets one group
+        return 2.0 * np.prod(eqn.invars[0].aval.shape) * eqn.invars[1].aval.shape[-1]
+    return 0.0
+
+
+def step_flops(jaxpr, devices: int) -> float:
+    """One device's matrix-product FLOPs in a traced step: a global shape's work is spread
+    over the `devices`, a shard_map body's is one device's already (kernels that are custom
+    calls, cuDNN's attention, are not counted)."""
+    def visit(jaxpr, count, share) -> float:
+        total = 0.0
+        for eqn in jaxpr.eqns:
+            total += count * share * dot_flops(eqn)
+            inner = count * eqn.params["length"] if eqn.primitive.name == "scan" else count
+            for sub in sub_jaxprs(eqn):
+                total += visit(sub, inner, 1.0 if eqn.primitive.name == "shard_map" else share)
+        return total
+    return visit(jaxpr, 1, 1.0 / devices)
+
+
+def recomputed_flops(program) -> float:
+    """Per device, the matrix-product FLOPs a step's checkpoint policies recompute: its traced
+    step's less those of the same step traced without checkpointing (nothing compiled)."""
+    if not program.options.policies:
+        return 0.0
+    plain = Program(program.model, program.run, None, program.target)
+    devices = len(program.target.devices)
+    return step_flops(program.traced.jaxpr, devices) - step_flops(plain.traced.jaxpr, devices)
 
 
 @dataclasses.dataclass(frozen=True)

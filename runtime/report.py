@@ -1,6 +1,6 @@
 """What a run prints and writes: its folder (config.json, metrics.jsonl, summary.json, the
-profile), the header (built as rows of data), a line per step, the summary; comparison
-tables. Only process 0 prints and writes."""
+profile), the header (built as rows of data), a line per step, the summary. Only process 0
+prints and writes."""
 
 import contextlib
 import dataclasses
@@ -15,7 +15,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import configs
 from model import families
 from runtime import header, own_program
 from runtime.own_program import GiB
@@ -99,6 +98,8 @@ class StepLog:
         self.tokens, self.first_step = program.batch_size * setup.run.seq, first_step
         self.host_planned = sum(v.nbytes * v.count for sites in own_program.offloaded(
             program.traced.jaxpr).values() for v in sites)
+        self.recomputed = own_program.recomputed_flops(program)
+        self.compiled = own_program.CompiledMemory.of(program.step)
         self.entropy = setup.data.unigram_entropy
         last = min(first_step + 3, setup.run.steps)
         self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
@@ -118,10 +119,13 @@ class StepLog:
         run_dir = RunDir.create(setup)
         run_dir.write("config.json", {
             "experiment": setup.experiment.name, "scale": setup.scale,
+            "devices": program.target.description, "platform": program.target.platform,
+            "fit": setup.fit.words if setup.fit else None,
             "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
             "placement": setup.placement})
         log = cls(setup, program, run_dir, first_step)
-        say("\n".join(header.lines(setup, program, run_dir, log.flops, first_step)))
+        say("\n".join(header.lines(setup, program, run_dir, log.flops, log.recomputed,
+                                   first_step)))
         return log
 
     def starting(self, step: int) -> None:
@@ -175,13 +179,13 @@ class StepLog:
     def summary(self) -> dict:
         median = statistics.median(self.times[1:] or self.times)  # not step 1's warm-up
         stats = jax.local_devices()[0].memory_stats() or {}
-        analysis = self.program.step.memory_analysis()
         result = {
             "median_step_s": median, "tflops_per_device": self.flops / median / 1e12,
             "tokens_per_s": self.tokens / median,
+            "recomputed_flops_per_device": self.recomputed,
             "peak_device_bytes": stats.get("peak_bytes_in_use"),
-            "compiled_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
-            "compiled_host_temp_bytes": getattr(analysis, "host_temp_size_in_bytes", None),
+            "compiled_device_bytes": self.compiled.device,
+            "compiled_host_bytes": self.compiled.host,
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "host_offload_bytes_planned": self.host_planned,
         }
@@ -193,48 +197,16 @@ class StepLog:
         last = self.first_step + len(self.times) - 1
         say(f"median step {median * 1e3:.1f} ms over steps {self.first_step + 1}..{last}"
             if len(self.times) > 1 else f"step time {median * 1e3:.1f} ms (one step)")
-        say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device, "
-            f"{result['tokens_per_s']:,.0f} tokens/s")
-        say(f"memory      peak device {peak}; compiled temporaries "
-            f"{_fmt_bytes(result['compiled_temp_bytes'])} (host "
-            f"{_fmt_bytes(result['compiled_host_temp_bytes'])}); "
-            f"host process peak {_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded "
-            f"activations {_fmt_bytes(self.host_planned)} per device (planned)")
+        say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device (MaxText's formula), "
+            f"{result['tokens_per_s']:,.0f} tokens/s; {self.recomputed / 1e12:.3g} TFLOP per "
+            "device recomputed per step")
+        say(f"memory      peak device {peak}, compiled {_fmt_bytes(self.compiled.device)}; "
+            f"host {_fmt_bytes(self.compiled.host)} compiled, process peak "
+            f"{_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded activations "
+            f"{_fmt_bytes(self.host_planned)} per device (planned)")
         if self.evaluated:
             say(f"eval        loss {result['eval_loss']:.4f} nats/token (perplexity "
                 f"{result['eval_perplexity']:,.1f}) after step {last}; the train split's "
                 f"unigram entropy: {self.entropy:.4f} nats/token")
         self.run_dir.write("summary.json", result)
         return result
-
-
-def comparison(name: str, rows: list) -> None:
-    """A comparison's runs as one table like the study's, printed and written as .md and .csv."""
-    if jax.process_index() != 0:
-        return
-    header = ["row", "preset", "LHS", "pipelined offload", "step ms", "TFLOP/s/device",
-              "peak device GiB", "host offload GiB (planned)"]
-    evaluated = any("eval_loss" in summary for _, summary in rows)
-    header += ["eval loss", "eval perplexity"] if evaluated else []
-    table = []
-    for setup, summary in rows:
-        flags = setup.run.xla_flags
-        peak = summary["peak_device_bytes"]
-        table.append([setup.experiment.name, setup.run.preset,
-                      flags.get(configs.LHS, "default"), flags.get(configs.PIPELINED, "false"),
-                      f"{summary['median_step_s'] * 1e3:.1f}",
-                      f"{summary['tflops_per_device']:.3f}",
-                      "n/a" if peak is None else f"{peak / GiB:.2f}",
-                      f"{summary['host_offload_bytes_planned'] / GiB:.2f}"])
-        if evaluated:
-            table[-1] += ([f"{summary['eval_loss']:.4f}", f"{summary['eval_perplexity']:.2f}"]
-                          if "eval_loss" in summary else ["n/a", "n/a"])
-    markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    markdown += ["| " + " | ".join(row) + " |" for row in table]
-    scales = ", ".join(sorted({setup.scale for setup, _ in rows}))
-    print(f"\n{name} ({scales} scale, {jax.device_count()} x {jax.default_backend()}):")
-    print("\n".join(markdown))
-    folder = new_run_dir(rows[0][0].run.out_dir, name)
-    (folder / "compare.md").write_text("\n".join(markdown) + "\n")
-    (folder / "compare.csv").write_text("\n".join(",".join(r) for r in [header, *table]) + "\n")
-    print(f"written to {folder}")

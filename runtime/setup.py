@@ -4,7 +4,7 @@ first state, fresh or resumed."""
 
 import dataclasses
 import importlib.util
-import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +17,10 @@ from data.tokens import token_source
 from hf.load import Checkpoint, open_checkpoint
 from model import families
 from offload import activations, optimizer_state
-from runtime import checkpoints
+from runtime import backend, checkpoints, fit as fits
+from runtime.own_program import CompiledMemory, size_words
 from trainer.program import Program, quantization_problems
+from trainer.target import Target
 
 
 @dataclasses.dataclass
@@ -33,33 +35,62 @@ class Setup:
     hf_params: Checkpoint | None  # init_from, not read yet: each process reads its share
     resume: checkpoints.Source | None = None  # the checkpoint this run continues from
     args: tuple[str, ...] = ()  # the command line's key=value overrides, as given
+    fit: fits.Fit | None = None  # at fit scale: what it reduced and measured
 
 
 def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str,
                  devices: tuple):
-    """(scale, why). Full scale needs exactly the accelerators of the (overridden) full mesh."""
+    """(scale, why). Full scale needs exactly the accelerators of the (overridden) full mesh;
+    GPUs that do not cover it run its layers at fit scale, a CPU its proxy (or, asked for, a
+    fit within fit_memory)."""
     model, run = configs.apply_overrides(*experiment.at_scale("full"), overrides)
     if bad := [line for line in configs.out_of_range(model, run) if line.startswith("mesh.")]:
         raise ConfigError("; ".join(bad))  # the count of devices below needs the mesh sound
-    mesh = run.mesh
+    mesh, platform = run.mesh, devices[0].platform
     need = mesh.devices if mesh.fsdp > 0 else None  # fsdp=-1: any multiple of data x expert
-    have = f"{len(devices)} {devices[0].platform} device(s)"
-    enough = devices[0].platform != "cpu" and (
+    have = f"{len(devices)} {platform} device(s)"
+    enough = platform != "cpu" and (
         len(devices) == need if need else len(devices) % (mesh.data * mesh.expert) == 0)
     count = need or f"a multiple of {mesh.data * mesh.expert}"
     if requested == "full" and not enough:
         raise ConfigError(f"{experiment.name} at full scale needs {count} accelerators (mesh "
                           f"data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert}); this "
                           f"machine has {have}")
-    if requested == "proxy" or not enough:
-        why = "asked for" if requested == "proxy" else f"full scale needs {count} accelerators"
-        return "proxy", f"{why}; this machine has {have}"
-    return "full", f"{have} cover the experiment's mesh"
+    if requested == "fit" and platform != "gpu" and not run.fit_memory:
+        raise ConfigError(f"scale=fit on {have} needs fit_memory=GiB, what a device's program "
+                          "may hold (on a GPU: XLA's pool)")
+    if requested in ("fit", "proxy"):
+        return requested, f"asked for; this machine has {have}"
+    if enough:
+        return "full", f"{have} cover the experiment's mesh"
+    why = f"full scale needs {count} accelerators; this machine has {have}"
+    return ("fit", why + ": its layers, as many as fit") if platform == "gpu" else ("proxy", why)
+
+
+def fit_mesh(model, mesh: configs.MeshConfig, devices: int) -> configs.MeshConfig:
+    """A fit's mesh: FSDP over the machine's devices, the routed experts split over the
+    experiment's expert degree where it divides them, else the largest one that does (and
+    divides the experts)."""
+    experts = getattr(model, "n_experts", 1)
+    expert = max(e for e in range(1, min(mesh.expert, devices) + 1)
+                 if devices % e == 0 and experts % e == 0)
+    return configs.MeshConfig(data=1, fsdp=devices // expert, expert=expert)
+
+
+def at_scale(experiment: configs.Experiment, scale: str, overrides: dict, devices: int):
+    """(model, run) of `experiment` at `scale` with the overrides; a fit's on this machine's
+    mesh, its micro batch per device kept (global_batch follows the device count)."""
+    model, run = experiment.at_scale(scale)
+    if scale == "fit":
+        run = dataclasses.replace(run, mesh=fit_mesh(model, run.mesh, devices), global_batch=0)
+    return configs.apply_overrides(model, run, overrides)
 
 
 def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False) -> Setup:
     """The run's settings, checked: at the scale these `devices` can run, or at full scale
-    for the experiment's own mesh (`full`: a plan or a compile without its GPUs)."""
+    for the experiment's own mesh (`full`: a plan or a compile without its GPUs). At fit scale
+    the layers are the experiment's full count, or a resumed run's recorded fit: the fit
+    itself needs compiled programs (runtime/fit.py)."""
     experiment = configs.get(name)
     overrides = configs.parse_overrides(args)
     requested = overrides.get("scale", experiment.run.scale)
@@ -67,7 +98,18 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
         raise ConfigError(f"scale={requested!r}: choose one of {', '.join(configs.SCALES)}")
     scale, why = (("full", "asked for its GPUs") if full
                   else choose_scale(experiment, overrides, requested, devices))
-    model, run = configs.apply_overrides(*experiment.at_scale(scale), overrides)
+    model, run = at_scale(experiment, scale, overrides, len(devices))
+    if run.fit_memory and scale != "fit":
+        raise ConfigError(f"fit_memory={run.fit_memory:g} is the fit scale's budget; this run "
+                          f"is at {scale} scale ({why})")
+    recorded = None
+    if scale == "fit" and run.resume:  # the fit the checkpoint was trained at, not searched
+        recorded = fits.Fit(checkpoints.recorded_fit(run.resume, run.out_dir, f"{name}-fit"),
+                            model, recorded=True)
+        model, run = at_scale(experiment, scale, {**recorded.words, **overrides}, len(devices))
+    if scale == "fit" and run.init_from:
+        raise ConfigError("init_from at fit scale: the fit trains fewer layers than the "
+                          "checkpoint holds (scale=full, or a model of its size)")
     hf_params = None
     if run.init_from:
         if any(k.startswith("model.") for k in overrides):
@@ -95,7 +137,7 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
                           "installed: pip install -e '.[tensorboard]'")
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
     setup = Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
-                  hf_params, args=tuple(args))
+                  hf_params, args=tuple(args), fit=recorded)
     if not full:
         setup.resume = checkpoints.check_outputs(setup, run.batch(len(devices)))
     return setup
@@ -110,6 +152,52 @@ def resolve_placement(model, run: configs.RunConfig) -> dict | None:
         return activations.resolve(run.preset, run.placement, families.of(model).SCANS)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def machine_budget(run, target: Target) -> fits.Budget:
+    """This machine's budget: XLA's pool per GPU (or fit_memory), and the pinned host memory
+    this process may hold (runtime/backend.py), shared by its devices."""
+    return fits.budget(run.fit_memory, target.pool_bytes(), backend.host_limit(),
+                       len(jax.local_devices()))
+
+
+def with_fit(setup: Setup, fit: fits.Fit) -> Setup:
+    """`setup` with the fit's words applied (a vocabulary it reduced draws synthetic tokens
+    from the new one: a tokenizer's is never reduced)."""
+    model, run = configs.apply_overrides(setup.model, setup.run, fit.words)
+    data = setup.data if model.vocab == setup.model.vocab else token_source(
+        run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
+    return dataclasses.replace(setup, model=model, run=run, data=data, fit=fit,
+                               placement=resolve_placement(model, run))
+
+
+def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
+    """The fit of a run at fit scale on this machine and its program, compiled: searched, or
+    (a resume) the checkpoint's fit, checked. A layer count set on the command line that does
+    not fit is one line naming how many do."""
+    budget_ = machine_budget(setup.run, target)
+    fixed = {k for k in (w.partition("=")[0] for w in setup.args) if k != "scale"}
+
+    def measure(words: dict) -> tuple[CompiledMemory, Program]:
+        model, run = configs.apply_overrides(setup.model, setup.run, words)
+        program = Program(model, run, resolve_placement(model, run), target)
+        return CompiledMemory.of(program.step), program
+
+    if setup.fit is not None:  # recorded: the words are applied already
+        started = time.perf_counter()
+        memory, program = measure({})
+        if not budget_.fits(memory):
+            raise fits.FitError(f"resume={setup.run.resume}: the checkpoint's fit "
+                                f"({' '.join(setup.fit.word_list())}) needs "
+                                f"{size_words(memory.device)} per device here, of "
+                                f"{budget_.device_words}")
+        fit = dataclasses.replace(setup.fit, memory=memory, budget=budget_, compiles=1,
+                                  seconds=time.perf_counter() - started)
+        return dataclasses.replace(setup, fit=fit), program
+    data, fsdp, expert = setup.run.mesh.shape(len(target.devices))
+    fit, program = fits.search(setup.model, setup.run, budget_, measure, fixed, fsdp * expert,
+                               target.platform == "gpu", setup.experiment.model.n_layers)
+    return with_fit(setup, fit), program
 
 
 def start_state(program: Program, setup: Setup) -> tuple[dict, int]:
@@ -131,7 +219,7 @@ def check_machine(program: Program, offloads: bool) -> None:
                               f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
         moments = optimizer_state.moment_bytes(program.state_shapes["opt_state"])
         need = 2 * moments * len(jax.local_devices())
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        have = backend.host_memory()
         if need > have:
             raise ConfigError(f"optimizer_state=host: the state and its new copy need "
                               f"{need / 2**30:.1f} GiB of host memory here, the host has "

@@ -48,7 +48,8 @@ COMMON = ["steps=2", "seq=32", "quant=none"]
 RUNS = {
     "llama": ["multihost-llama", f"init_from={FIXTURES / 'llama_gqa'}", *COMMON],
     "deepseek": ["deepseek671b-offload", f"init_from={FIXTURES / 'deepseek_yarn'}",
-                 "mesh.expert=4", "profile=true", "checkpoint_every=2", *COMMON],
+                 "mesh.expert=4", "expert_capacity=1.0", "profile=true", "checkpoint_every=2",
+                 *COMMON],
 }
 COMPARISON = ("multihost-llama", ("llama405b-offload",))
 IMPORTS = {"llama_gqa": 1, "deepseek_yarn": 4}  # fixture -> the mesh's expert axis

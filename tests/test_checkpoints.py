@@ -111,7 +111,7 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
 
 def test_deepseek_resume_with_router_bias_updates_is_bit_identical(tmp_path, capsys):
     whole, resumed, out = run_and_resume(
-        "deepseek671b-offload", ["mesh.expert=4"], tmp_path, capsys)
+        "deepseek671b-offload", ["mesh.expert=4", "expert_capacity=1.0"], tmp_path, capsys)
     assert "671,026,419,200 parameters" in out and "moe_layers" in out
     assert "experts split over the 4 devices of each expert group (blocks 1x the balanced " \
         "share;" in out

@@ -190,3 +190,32 @@ def test_causality_by_gradient(cfg):
     later, earlier = np.asarray(toks[0, t + 1:]), np.asarray(toks[0, :t + 1])
     assert np.all(grad[later] == 0)
     assert np.all(np.abs(grad[earlier]).max(axis=1) > 0)
+
+
+def test_the_recomputed_flops_are_those_of_the_layers_forward_again():
+    """What a run reports its checkpoint policies recompute (runtime/own_program.py), per
+    device of 8, against hand-counted matrix products of a Llama layer (D=64, N=4, K=2, H=16,
+    F=128; 16 sequences of 32 tokens; 2 layers): remat runs every layer's forward again but
+    the MLP's down projection, whose output the backward pass never reads (its Q/K/V and output
+    projections, its two attention products over all T x T scores, the SwiGLU's gate and up);
+    keeping Q/K/V saves their projections; no checkpointing recomputes nothing."""
+    from runtime.own_program import recomputed_flops
+    from runtime.setup import resolve
+    from trainer.program import Program
+    from trainer.target import this_machine
+
+    words = ["scale=proxy", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
+             "model.n_kv_heads=2", "model.head_dim=16", "model.d_ff=128", "model.vocab=512",
+             "seq=32", "quant=none"]
+    B, T, D, N, K, H, F, L = 16, 32, 64, 4, 2, 16, 128, 2
+    qkv = 2 * B * T * D * (N + 2 * K) * H
+    layer = qkv + 2 * B * T * N * H * D + 2 * (2 * B * T * T * N * H) + 2 * (2 * B * T * D * F)
+
+    def recomputed(preset: str) -> float:
+        setup = resolve("llama405b-baseline", [*words, f"preset={preset}"], jax.devices())
+        program = Program(setup.model, setup.run, setup.placement, this_machine())
+        return recomputed_flops(program) * 8
+
+    assert recomputed("remat") == L * layer
+    assert recomputed("remat") - recomputed("qkv_offload") == L * qkv
+    assert recomputed("none") == 0

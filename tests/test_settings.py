@@ -17,7 +17,9 @@ from trainer.target import Target
 
 
 # Settings whose row shows what resolving them makes (the token file read), not the word.
-RESOLVED = {"data.path", "data.dtype"}
+# Settings a run resolves into others, shown there; fit_memory in the fit row, which only a fit
+# scale run has (tests/test_fit.py).
+RESOLVED = {"data.path", "data.dtype", "fit_memory"}
 
 
 def _header(setup, devices) -> dict[str, str]:

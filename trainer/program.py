@@ -38,7 +38,9 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
         fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
         attention = "cudnn" if fused else "xla"
     experts, parallel = None, None
-    if hasattr(model, "n_experts") and run.mesh.expert > 1:
+    # A capacity asks for the experts in blocks, one device's too (a fit of an expert row on
+    # fewer GPUs than its expert degree): XLA expands a ragged_dot per expert (docs/model.md).
+    if hasattr(model, "n_experts") and (run.mesh.expert > 1 or run.expert_capacity):
         parallel = ExpertParallel(run.mesh.expert, run.expert_capacity)
     elif hasattr(model, "n_experts"):
         auto = "dense" if target.platform == "cpu" else "sorted"
