@@ -18,7 +18,8 @@ help:
 	@echo "make plan-llama405b-offload                  its full-scale memory plan (no GPU needed)"
 	@echo "make compile-llama405b-offload               its full-scale step compiled for its GPUs, its time replayed (no GPU needed)"
 	@echo "make search-llama405b-offload [ARGS=device=h200]  placements ranked by predicted memory and step time"
-	@echo "make llama405b-compare                       the study's four Llama rows, one table"
+	@echo "make llama405b-compare                       the study's four Llama rows, one table (on 1-8 GPUs: at fit scale)"
+	@echo "make fit-llama405b-offload                   how many of its layers fit 1-8 GPUs of each kind (no GPU needed)"
 	@echo "make deepseek671b-offload, deepseek671b-compare  the DeepSeek-V3 rows"
 	@echo "make test     the test suite on 8 fake CPU devices"
 	@echo "make test-gpu-compile  its GPU programs, compiled without a GPU (+2.7 GB of CUDA libraries)"
@@ -90,6 +91,9 @@ search-%: $(READY)
 
 compile-%: $(COMPILE_READY)
 	$(PY) -m study compile $* $(ARGS)
+
+fit-%: $(COMPILE_READY)
+	$(PY) -m study fit $* $(ARGS)
 
 clean:
 	rm -rf runs

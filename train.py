@@ -10,11 +10,14 @@
                                                            train.bin/val.bin (docs/data.md)
     python train.py sample RUN [prompt=TEXT] [tokens=N] [temperature=T] [top_k=K] [seed=S]
                                                            text from a run's last checkpoint
+    python train.py fit EXPERIMENT [key=value ...]        how many of its layers fit this
+                                                           machine (compiled, not run)
 
 A run: resolve (config, scale, placement, data: any mistake is one line and exit status 2) ->
-program (mesh, optimizer, the step compiled ahead of time for this machine's devices) -> state
-(sharded init, or a checkpoint) -> loop -> report. The full-scale plan, GPU compile, search and
-step times: python -m study (study/).
+program (mesh, optimizer, the step compiled ahead of time for this machine's devices; at fit
+scale, as many of the experiment's layers as fit them) -> state (sharded init, or a
+checkpoint) -> loop -> report. The full-scale plan, GPU compile, search and step times:
+python -m study (study/).
 """
 
 from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
@@ -22,16 +25,19 @@ from runtime import backend  # noqa: F401  (first: it settles the platform, GPU 
 import signal
 import sys
 
+import jax
+
 import configs
 from configs import ConfigError
 from data import prepare
 from data.tokens import DataError
 from hf.safetensors import CheckpointError
-from runtime import checkpoints, distributed, report, sample
+from runtime import checkpoints, comparison, distributed, report, sample
 from runtime.backend import BackendError
-from runtime.own_program import offloaded
+from runtime.fit import FitError
+from runtime.own_program import offloaded, size_words
 from runtime.report import NonFiniteLoss
-from runtime.setup import Setup, check_machine, resolve, start_state
+from runtime.setup import Setup, check_machine, fitted, resolve, start_state
 from trainer.program import Program
 from trainer.target import Target, this_machine
 
@@ -39,9 +45,10 @@ from trainer.target import Target, this_machine
 def train(setup: Setup, target: Target) -> dict:
     """Run the experiment: resolve (done) -> program -> state -> loop -> report. Its summary,
     with `stopped_by` when a signal ended it early; NonFiniteLoss for a loss not finite."""
-    run = setup.run
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
-        program = Program(setup.model, run, setup.placement, target)
+        setup, program = (fitted(setup, target) if setup.scale == "fit" else
+                          (setup, Program(setup.model, setup.run, setup.placement, target)))
+        run = setup.run
         check_machine(program, offloads=bool(offloaded(program.traced.jaxpr)))
         state, done = start_state(program, setup)
         log = report.StepLog.start(setup, program, first_step=done + 1)  # compiles the step
@@ -54,7 +61,8 @@ def train(setup: Setup, target: Target) -> dict:
     stopped = stop.signal if last < run.steps else None  # on the last step it stops nothing
     if saver.saved:
         report.say(report.checkpoint_line(setup, log.run_dir, saver.saved[-1], stopped))
-    return {**log.summary(), **({"stopped_by": stopped.name} if stopped else {})}
+    return {**log.summary(), "run_dir": log.run_dir.path,
+            **({"stopped_by": stopped.name} if stopped else {})}
 
 
 def loop(program: Program, setup: Setup, state, done: int, log, saver, stop) -> int:
@@ -98,20 +106,63 @@ def exit_status(summary: dict) -> int:
     return 128 + signal.Signals[summary["stopped_by"]] if "stopped_by" in summary else 0
 
 
-def compare(name: str, args: list[str], target: Target) -> int:
-    for key in ("resume", "checkpoint_dir"):
-        if any(a.startswith(key + "=") for a in args):
-            raise ConfigError(f"{name} runs several experiments: {key}= is for one of them "
-                              f"({', '.join(configs.COMPARISONS[name])})")
+def compare(name: str, args: list[str]) -> int:
+    """A comparison's rows, then one table: on one host each row in a process of its own
+    (runtime/comparison.py); in a multi-process launch, one after another in these processes."""
+    comparison.check_rows(name, args)
+    if distributed.detect() is None:
+        status, rows, folder = comparison.run_rows(name, args)
+        if status == 0:
+            comparison.table(name, rows, folder)
+        return status
+    distributed.initialize()
+    target = this_machine()
     setups = [resolve(experiment, args, target.devices)  # every row checked before any runs
               for experiment in configs.COMPARISONS[name]]
-    rows = []
+    if fits := [s.experiment.name for s in setups if s.scale == "fit"]:
+        raise ConfigError(f"{', '.join(fits)} would run at fit scale, which a comparison runs "
+                          f"on one host, a process per row; this launch has "
+                          f"{jax.process_count()} processes")
+    run_dirs = []
     for setup in setups:
         summary = train(setup, target)
         if status := exit_status(summary):
             return status
-        rows.append((setup, summary))
-    report.comparison(name, rows)
+        run_dirs.append(summary["run_dir"])
+    if jax.process_index() == 0:
+        comparison.table(name, [comparison.read_row(d) for d in run_dirs],
+                         report.new_run_dir(setups[0].run.out_dir, name))
+    return 0
+
+
+def fit(args: list[str], target: Target) -> int:
+    """`python train.py fit EXPERIMENT|COMPARISON [key=value ...]`: each row resolved and, at fit
+    scale, fitted to this machine (compiled, nothing run or written); for a comparison the fit
+    every row fits, each row after the first checked at the fit so far."""
+    if not args or "=" in args[0]:
+        raise ConfigError("usage: python train.py fit EXPERIMENT [key=value ...]")
+    name, words, common = args[0], args[1:], []
+    configs.parse_overrides(words)
+    for row in configs.COMPARISONS.get(name, (name,)):
+        setup = resolve(row, [*words, *common], target.devices)
+        if setup.scale != "fit":
+            print(f"{row}: {setup.scale} scale here ({setup.scale_reason}): nothing to fit")
+            continue
+        try:
+            setup, _ = fitted(setup, target)
+        except FitError:
+            if not common:
+                raise
+            kept = [w for w in common if not w.startswith(("model.n_layers=",
+                                                           "model.n_dense_layers="))]
+            setup, _ = fitted(resolve(row, [*words, *kept], target.devices), target)
+        found, common = setup.fit, setup.fit.word_list()
+        print(f"{row}: {found.layers} of {setup.experiment.model.n_layers} layers fit "
+              f"{target.description}: {size_words(found.memory.device)} per device, "
+              f"{size_words(found.memory.host)} in host memory ({found.found()}): "
+              f"{' '.join(common)}")
+    if common and name in configs.COMPARISONS:
+        print(comparison.FIT_LINE + " ".join(common))
     return 0
 
 
@@ -129,11 +180,12 @@ def command(argv: list[str]) -> tuple[str, str | None, list[str]]:
     first, rest = argv[0], argv[1:]
     if first in ("-h", "--help", "--list") and rest:
         raise ConfigError(f"{first} takes nothing more, got {' '.join(rest)!r}")
-    if first in ("-h", "--help", "--list", "export", "prepare", "sample"):
+    if first in ("-h", "--help", "--list", "export", "prepare", "sample", "fit"):
         return first, None, rest
     if first.startswith("-"):
         raise ConfigError(f"unknown flag {first!r}: the first word names an experiment "
-                          "(python train.py --list), export, prepare, sample, --list or --help")
+                          "(python train.py --list), export, prepare, sample, fit, --list or "
+                          "--help")
     if flags := [a for a in rest if a.startswith("-")]:
         if flags[0] in ("--plan", "--compile", "--search"):  # modes that moved to study/
             raise ConfigError(f"{flags[0]} is a study tool now: python -m study "
@@ -154,8 +206,10 @@ def main(argv: list[str]) -> int:
             return 0
         if what == "prepare":  # text to tokens: no JAX
             return prepare.main(args)
-        if what not in ("export", "sample"):
+        if what not in ("export", "sample", "fit"):
             configs.parse_overrides(args)  # a word that is not key=value, before JAX starts
+        if name in configs.COMPARISONS:
+            return compare(name, args)
         distributed.initialize()  # before the backend starts: multi-host runs join here
         target = this_machine()  # starts JAX's backend (quietly: runtime/backend.py)
         if what == "export":
@@ -163,8 +217,8 @@ def main(argv: list[str]) -> int:
             return 0
         if what == "sample":
             return sample.main(args)
-        if name in configs.COMPARISONS:
-            return compare(name, args, target)
+        if what == "fit":
+            return fit(args, target)
         return exit_status(train(resolve(name, args, target.devices), target))
     except (ConfigError, DataError, CheckpointError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@
                                                         step replayed from the schedule
     python -m study search EXPERIMENT [key=value ...]   placements ranked by predicted memory
                                                         and step time (search_report.py)
+    python -m study fit [ROW ...] [device=KIND] [gpus=N]    how many of each row's layers
+                                                        fit 1-8 GPUs (the fit scale)
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]   every row replayed vs the study
     python -m study compile-table [EXPERIMENT ...] [key=value ...]   every row's compiled memory
     python -m study bench [EXPERIMENT ...] [key=value ...]   proxy step time on this machine
@@ -29,7 +31,7 @@ from hf.safetensors import CheckpointError
 from trainer.target import this_machine
 
 ROWS = ("plan", "compile", "search")  # modes that take one experiment (or a comparison)
-TOOLS = ("step-times", "compile-table", "bench", "checkpoint-bench", "gpu-check")
+TOOLS = ("fit", "step-times", "compile-table", "bench", "checkpoint-bench", "gpu-check")
 
 
 def main(argv: list[str]) -> int:

@@ -3,11 +3,13 @@ GPU compiler runs without one, and the options and checks only such a compile ne
 
 import dataclasses
 import functools
+import os
 from unittest import mock
 
 from jax.experimental import topologies
 
 from configs import ConfigError
+from runtime import backend
 from runtime.backend import has_cuda_plugin, memory_fraction, quiet
 from study.gpus import Gpu
 from trainer.target import Target
@@ -27,6 +29,16 @@ ARRIVAL = "compile_only_arrival"
 def pool_bytes(gpu: Gpu) -> int:
     """What XLA's memory pool takes of one `gpu`: the memory fraction of its memory."""
     return int(memory_fraction()[0] * gpu.memory)
+
+
+def host_limit(gpu: Gpu, gpus: int) -> int:
+    """Pinned host bytes a run's process may hold on a host of `gpus` `gpu`s (at most a
+    host's): XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB if this shell set it, else what a run there sets
+    (runtime/backend.py), within the host's memory (study/gpus.py)."""
+    memory = gpu.host_memory * min(gpu.per_host, gpus)
+    gib = (int(os.environ[backend.HOST_LIMIT_VARIABLE]) if backend.HOST_LIMIT_GIVEN
+           else backend.default_host_limit_gib(memory))
+    return min(gib * 2**30, memory)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,12 +68,16 @@ class CompiledRow:
 
 
 def arriving(step_function):
-    """The step, its optimizer state's moments first moved to host memory (in ARRIVAL)."""
-    def step(state, batch):
+    """The step, its optimizer state's moments first moved to host memory (in ARRIVAL).
+    It takes the moments apart from the donated parameters and returns the new parameters
+    first: JAX pairs a donated input with the first output of its shape, and without memory
+    kinds a new moment (in host memory) looks like a parameter."""
+    def step(state, opt_state, batch):
         with jax.named_scope(ARRIVAL):
             moments = jax.tree.map(lambda x: jax.device_put(x, HOST) if x.ndim else x,
-                                   state["opt_state"])
-        return step_function({**state, "opt_state": moments}, batch)
+                                   opt_state)
+        new, metrics = step_function({**state, "opt_state": moments}, batch)
+        return (new["params"], new["step"]), new["opt_state"], metrics
     return step
 
 
@@ -83,8 +87,10 @@ def compile_row(setup: Setup, gpu: Gpu, target: Target | None = None) -> Compile
     program = Program(setup.model, setup.run, setup.placement, target)
     if setup.run.optimizer_state == "host":
         with kernel_checks(target):
+            shapes = dict(program.state_shapes)
+            opt_state = shapes.pop("opt_state")
             traced = jax.jit(arriving(program.step_function()), donate_argnums=0).trace(
-                program.state_shapes, program.batch_shape)
+                shapes, opt_state, program.batch_shape)
             compiled = program.compile(traced, DEVICELESS)
         return CompiledRow(setup, gpu, program, compiled,
                            moment_bytes(program.state_shapes["opt_state"]))

@@ -1,45 +1,48 @@
-"""The study's four Llama rows on one GPU, at 405B width, with offloaded gradients checked.
+"""The study's four Llama rows on one GPU: their fit programs measured and replayed, and
+offloaded gradients checked.
 
-    python -m study gpu-check           one GPU (e.g. an H200; jax[cuda12]==0.12.0.1: README)
-    python -m study gpu-check --smoke   tiny shapes on any backend (the CPU test of this)
-    python -m study gpu-check --row ROW [--smoke]   one row's speed and memory (2. below),
-                                                    what the check runs in a process per row
+    python -m study gpu-check           one or more GPUs (jax[cuda12]==0.12.0.1: README)
+    python -m study gpu-check --smoke   the same on any backend at proxy scale, tiny shapes
+                                        (the CPU test of this)
 
-1. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
+1. Speed and memory, first, before this process touches a GPU (each row's process takes XLA's
+   pool): `python train.py llama405b-compare`, each row in a process of its own at the fit
+   every row fits (runtime/comparison.py: the study's layers, as many as fit), its step
+   compiled by XLA and written out; then beside each row's measured median step the replay
+   of that same program on this GPU's figures (study/replay.py): the time model's error here.
+2. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
    #46231): for each row's placement, XLA flags and NVFP4 weights, loss and gradients at f32 /
    highest matmul precision against no checkpointing, over several scanned layers, beside
    the addressing proof of the same compiled program (study/addressing.py: the two must
    agree); NVFP4 logits on this backend against the CPU's (and the FP4 path on Blackwell).
-2. Speed and memory: each row in its own process (so peak memory is its own), a 405B-width
-   proxy (the real layer width, heads and vocabulary; a few layers), sequence 8192, bf16:
-   step time (forward + backward), TFLOP/s/device by MaxText's formula, peak device memory,
-   the compiled program's host (pinned) bytes, and beside the measured step the replay of the
-   same compiled program (study/replay.py): the time model's error on this GPU.
 """
 
 import dataclasses
-import json
-import time
+import os
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import configs
-from configs import ConfigError
-from model import llama, quant
+from model import quant
 from model.options import ForwardOptions
+from runtime import comparison
 from runtime.setup import resolve_placement
 from study import addressing, cli, hlo, replay
-from study.bench import in_a_fresh_process, proxy_params, timed
+from study.bench import proxy_params
 from study.gpus import GPUS
 from trainer import program, step as trainer_step, target as trainer_target
 
-ROWS = configs.COMPARISONS["llama405b-compare"]
-WIDE = dataclasses.replace(configs.get("llama405b-offload").model, n_layers=3)
+NAME = "llama405b-compare"
+ROWS = configs.COMPARISONS[NAME]
 SMOKE = dataclasses.replace(configs.get("llama405b-offload").proxy_model, vocab=512,
                             d_model=128, n_layers=3, n_heads=4, head_dim=32, d_ff=416)
+# --smoke: each row's proxy, as small (tests/conftest.py's SMALL, without NVFP4's emulation).
+SMOKE_RUN = ["steps=3", "seq=32", "model.n_layers=2", "model.vocab=512", "model.d_model=128",
+             "model.d_ff=256", "quant=none"]
 
 
 def value_and_grad_fn(model, tables, dtype, run):
@@ -53,7 +56,7 @@ def value_and_grad_fn(model, tables, dtype, run):
 
 
 def row_tables(name: str):
-    return resolve_placement(WIDE, configs.get(name).run)
+    return resolve_placement(SMOKE, configs.get(name).run)
 
 
 def random_params(model, dtype):
@@ -62,8 +65,9 @@ def random_params(model, dtype):
 
 def check_gradients(smoke: bool) -> list[dict]:
     """Every row's placement and flags against no checkpointing, in f32."""
-    model = SMOKE if smoke else dataclasses.replace(WIDE, d_model=2048, d_ff=6656, n_heads=16,
-                                                    n_layers=6, vocab=32_768)
+    model = SMOKE if smoke else dataclasses.replace(
+        configs.get("llama405b-offload").model, d_model=2048, d_ff=6656, n_heads=16, n_layers=6,
+        vocab=32_768)
     params = random_params(model, jnp.float32)
     batch = jax.random.randint(jax.random.key(1), (2, 65 if smoke else 1025), 0, model.vocab)
     with jax.default_matmul_precision("highest"):
@@ -90,33 +94,32 @@ def check_gradients(smoke: bool) -> list[dict]:
     return results
 
 
-def measure_row(name: str, smoke: bool, steps: int = 5) -> dict:
-    """Forward + backward of one row at 405B width; run in a fresh process."""
-    run = configs.get(name).run
-    model = SMOKE if smoke else WIDE
-    seq, batch_size = (64, 2) if smoke else (run.seq, 1)
-    dtype = jnp.float32 if smoke else jnp.bfloat16
-    params = random_params(model, dtype)
-    batch = jax.random.randint(jax.random.key(1), (batch_size, seq + 1), 0, model.vocab)
-    fn = value_and_grad_fn(model, row_tables(name), dtype, run)
-    started = time.perf_counter()
-    compiled = fn.lower(params, batch).compile()
-    compile_s = time.perf_counter() - started
-    step_s = timed(compiled, params, batch, repeats=steps)
-    kind = jax.devices()[0].device_kind
-    gpu = next((g for g in GPUS.values() if jax.default_backend() == "gpu" and (
+def measure_rows(smoke: bool, out_dir: str) -> list[dict]:
+    """The comparison's rows run (each in a process of its own, its compiled step written to
+    `hlo/` in its run folder), each with the replay of that program on this GPU (nan off a
+    known GPU); [] if a row failed."""
+    def dumping(row: str) -> dict:
+        where = Path(out_dir).absolute() / f"{row}-hlo"
+        flags = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={where} "
+                 "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step")
+        return {**os.environ, "XLA_FLAGS": flags.strip()}
+
+    status, rows, folder = comparison.run_rows(
+        NAME, [*(SMOKE_RUN if smoke else []), f"out_dir={out_dir}"], dumping)
+    if status:
+        return []
+    comparison.table(NAME, rows, folder)
+    kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+    gpu = next((g for g in GPUS.values() if kind and (
         g.device_kind.startswith(kind) or kind.startswith(g.device_kind))), None)
-    replayed = (float("nan") if gpu is None else
-                replay.replay(hlo.parse_module(compiled.as_text()), gpu, 1).step_s)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    analysis = compiled.memory_analysis()
-    return {"row": name, "layers": model.n_layers, "seq": seq, "batch": batch_size,
-            "compile_s": compile_s, "step_ms": step_s * 1e3, "replayed_ms": replayed * 1e3,
-            "replay_error": replayed / step_s - 1,
-            "tflops_per_device": llama.training_flops(model, batch_size, seq) / step_s / 1e12,
-            "peak_device_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
-            "host_temp_gib": getattr(analysis, "host_temp_size_in_bytes", 0) / 2**30,
-            "device_temp_gib": getattr(analysis, "temp_size_in_bytes", 0) / 2**30}
+    for row in rows:
+        step_s, devices = row["summary"]["median_step_s"], int(row["devices"].split()[0])
+        dumped = sorted((Path(out_dir).absolute() / f"{row['experiment']}-hlo").glob(
+            "*jit_step*after_optimizations.txt"))
+        row["replayed_s"] = (float("nan") if gpu is None or not dumped else replay.replay(
+            hlo.parse_module(dumped[-1].read_text()), gpu, devices).step_s)
+        row["replay_error"] = row["replayed_s"] / step_s - 1
+    return rows
 
 
 def check_nvfp4() -> list[str]:
@@ -153,16 +156,22 @@ def check_nvfp4() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    flags, _, _ = cli.tool_words("gpu-check [--smoke] [--row ROW]", argv,
-                                 {"--smoke": None, "--row": "ROW"}, names=False)
+    flags, _, words = cli.tool_words("gpu-check [--smoke] [out_dir=DIR]", argv,
+                                     {"--smoke": None}, names=False, keys=True)
+    if unknown := [w for w in words if not w.startswith("out_dir=")]:
+        raise configs.ConfigError(f"gpu-check takes out_dir= only, got {unknown[0]!r}")
     smoke = "--smoke" in flags
-    if "--row" in flags:
-        if flags["--row"] not in ROWS:
-            raise ConfigError(f"--row {flags['--row']!r}: choose one of {', '.join(ROWS)}")
-        print(json.dumps(measure_row(flags["--row"], smoke)))
-        return 0
-    print(f"backend {jax.default_backend()}: {jax.devices()[0].device_kind}"
-          + (" (smoke shapes: not the real check)" if smoke else ""))
+    out_dir = configs.parse_overrides(words).get("out_dir", configs.RunConfig.out_dir)
+    rows = measure_rows(smoke, out_dir)  # first: this process has not touched a GPU yet
+    if not rows:
+        return 1
+    print(f"{'row':<30}{'step ms':>12}{'replayed ms':>14}{'replay error':>14}")
+    for r in rows:
+        print(f"{r['experiment']:<30}{r['summary']['median_step_s'] * 1e3:>12.1f}"
+              f"{r['replayed_s'] * 1e3:>14.1f}{r['replay_error']:>+14.1%}")
+    print(f"(each row's own compiled step, replayed on study/gpus.py's figures for this GPU; "
+          f"nan off a known GPU: {jax.devices()[0].device_kind}"
+          + (", smoke shapes: not the real check)" if smoke else ")"))
     correctness = check_gradients(smoke)
     for r in correctness:
         print(f"gradients {r['row']:<30} max|diff| {r['grad_max_abs_diff']:.3e} "
@@ -171,17 +180,6 @@ def main(argv: list[str]) -> int:
               f"buffers: {', '.join(r['addressing']) or '-'}")
     nvfp4 = check_nvfp4()
     print("\n".join(nvfp4))
-    flags = ["--smoke"] if smoke else []
-    outputs = [in_a_fresh_process("gpu-check", "--row", name, *flags) for name in ROWS]
-    rows = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
-    keys = ["step_ms", "replayed_ms", "replay_error", "tflops_per_device", "peak_device_gib",
-            "host_temp_gib", "device_temp_gib", "compile_s"]
-    print(f"{'row':<30}" + "".join(f"{k:>18}" for k in keys))
-    for r in rows:
-        print(f"{r['row']:<30}" + "".join(f"{r[k]:>18.2f}" for k in keys))
-    print(f"(L={rows[0]['layers']}, seq {rows[0]['seq']}, batch {rows[0]['batch']}; forward + "
-          "backward, no optimizer; TFLOP/s by MaxText's formula; replayed_ms: the same compiled "
-          "program replayed on study/gpus.py's figures, nan off a known GPU)")
     proven = all(v == addressing.CHECKED for r in correctness for v in r["addressing"])
     return 0 if all(r["ok"] for r in correctness) and proven and not any(
         "WRONG" in line for line in nvfp4) else 1

@@ -9,7 +9,7 @@ import numpy as np
 # saved_residuals is what the public jax.ad_checkpoint.print_saved_residuals prints from.
 from jax._src import ad_checkpoint
 
-from runtime.own_program import Tagged, scope, sub_jaxprs, tagged_in
+from runtime.own_program import Tagged, dot_flops, scope, sub_jaxprs, tagged_in
 
 
 def tagged_values(fn, *args) -> dict[str, list[Tagged]]:
@@ -64,16 +64,6 @@ class Work:
     positions: dict  # (scan, tag) -> share of one layer's forward dot FLOPs before the tag
 
 
-def _dot_flops(eqn) -> float:
-    if eqn.primitive.name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        return 2.0 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
-    if eqn.primitive.name == "ragged_dot":  # [m, k] x [groups, k, n]: each row meets one group
-        return 2.0 * np.prod(eqn.invars[0].aval.shape) * eqn.invars[1].aval.shape[-1]
-    return 0.0
-
-
 def work(fn, *args, devices: int) -> Work:
     """Dot FLOPs and all-to-all bytes of `fn` (e.g. a gradient) traced on sharded abstract
     `args`, per device: a global shape's work is spread over the `devices`, a shard_map body's
@@ -84,7 +74,7 @@ def work(fn, *args, devices: int) -> Work:
         key = (scan, "backward" if backward else "forward")
         for eqn in jaxpr.eqns:
             primitive = eqn.primitive.name
-            done = _dot_flops(eqn)
+            done = dot_flops(eqn)
             flops[key] += count * share * done
             if scan and not backward:
                 layer_flops[scan] += share * done

@@ -10,7 +10,6 @@ so a laptop plans the 128-GPU run and a GPU run plans without touching its devic
 """
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +22,8 @@ from offload import activations
 from runtime import backend
 from trainer import target
 from runtime.own_program import GiB, CompiledMemory, size_words as _size
-from study.compile_only import pool_bytes
+from study.compile_only import host_limit, pool_bytes
 
-HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-HOST_POOL_DEFAULT_GIB = 64  # XLA's pinned-host allocator on GPU, unless the variable says more
 
 
 def full_scale(experiment: Experiment, gpu: Gpu, tables: dict | None,
@@ -117,14 +114,16 @@ def nvfp4_words(gpu: Gpu, run: RunConfig) -> str:
     return f"{words} (the {gpu.name} (compute capability {major}.{minor}) has no FP4 tensor cores)"
 
 
-def host_pool_warning(host: float) -> list[str]:
-    """A warning when `host` bytes per GPU exceed XLA's pinned-host pool (and how to make room)."""
-    pool_gib = float(os.environ.get(HOST_POOL_VARIABLE, HOST_POOL_DEFAULT_GIB))
-    if host <= pool_gib * GiB:
+def host_pool_warning(host: float, gpu: Gpu) -> list[str]:
+    """A warning when `host` bytes per GPU exceed the pinned host memory a run's process may
+    hold on a host of `gpu`s, per GPU (and how to make room)."""
+    per_gpu = host_limit(gpu, gpu.per_host) / gpu.per_host
+    if host <= per_gpu:
         return []
-    return [f"WARNING: {_size(host)} of host memory per GPU exceed XLA's pinned-host pool "
-            f"({pool_gib:g} GiB a process): set {HOST_POOL_VARIABLE}="
-            f"{math.ceil(host / GiB * 1.1)} x the process's GPUs, or offload less"]
+    return [f"WARNING: {_size(host)} of host memory per GPU exceed the pinned host memory a "
+            f"run may hold per GPU on a {gpu.name} host ({_size(per_gpu)}): set "
+            f"{backend.HOST_LIMIT_VARIABLE}={math.ceil(host / GiB * 1.1)} x the process's "
+            "GPUs, or offload less"]
 
 
 def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]:
@@ -168,7 +167,7 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]
                    f"{nvfp4_words(gpu, run)}; {stored / plain:.0%} of their "
                    f"{_size(plain)} in the compute dtype, not in the peak: masters stay FP32, "
                    "each layer is quantized as it runs")
-    out += host_pool_warning(plan.host_peak)
+    out += host_pool_warning(plan.host_peak, gpu)
     out.append(fit_line(plan.fits, plan.peak_estimate, "planned (estimate)", plan.host_peak,
                         plan, gpu))
     return out

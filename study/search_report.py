@@ -19,7 +19,7 @@ import configs
 from study import memory, plan, search
 from study.traced_step import TracedStep
 from configs import LHS, PIPELINED, ConfigError, Experiment
-from study.gpus import Gpu
+from study.gpus import GPUS, Gpu
 from model import families
 from model.config import DeepSeekConfig
 from offload import activations
@@ -299,7 +299,7 @@ def best_lines(result: Result, scans) -> list[str]:
                      f"{best.tflops / row.tflops - 1:+.1%} over the study's best row "
                      f"{row.candidate.row} as predicted ({row.tflops:,.0f}; measured "
                      f"{configs.STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
-    lines += plan.host_pool_warning(best.host_bytes)
+    lines += plan.host_pool_warning(best.host_bytes, GPUS[result.hw.name])
     return lines + ["run it: python train.py " + " ".join(
         [result.experiment.name, *search.overrides(best.candidate, scans)])]
 

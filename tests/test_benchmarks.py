@@ -1,30 +1,30 @@
-"""What the CPU can check of the GPU script: its gradient check and one row's measurement."""
+"""What the CPU can check of the GPU script: its comparison, measured and replayed, and its
+gradient check; the compile table."""
 
-import json
-import math
+import re
 
 import pytest
 
-from study import gpu_check
+import configs
 from study.__main__ import main as study_main
 
 
-def test_gpu_check_gradients_pass_for_every_row_on_cpu():
-    results = gpu_check.check_gradients(smoke=True)
-    assert [r["row"] for r in results] == list(gpu_check.ROWS)
-    assert all(r["ok"] for r in results), results
-    assert all(r["host_buffers"] == 0 for r in results)  # a CPU drops the placements
-
-
-@pytest.mark.parametrize("row", ["llama405b-offload-pipelined"])
-def test_gpu_check_measures_a_row(row, capsys):
-    """As the script measures each row in a process of its own: `python -m study gpu-check
-    --row NAME --smoke`, whose last line is the row's figures."""
-    assert study_main(["gpu-check", "--row", row, "--smoke"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["row"] == row
-    assert result["step_ms"] > 0 and result["tflops_per_device"] > 0
-    assert math.isnan(result["peak_device_gib"])  # the CPU backend reports no memory stats
+def test_gpu_check_measures_each_row_in_its_own_process_and_checks_the_gradients(
+        tmp_path, capsys):
+    """`python -m study gpu-check --smoke`: the comparison of the study's Llama rows, each in
+    a process of its own (proxies here), a table, their measured steps (the replay: nan off a
+    GPU), and every row's gradients equal to no checkpointing's (no host buffers on a CPU)."""
+    assert study_main(["gpu-check", "--smoke", f"out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    rows = configs.COMPARISONS["llama405b-compare"]
+    (folder,) = tmp_path.glob("llama405b-compare-*")
+    assert [line.split(",")[0] for line in (folder / "compare.csv").read_text().splitlines()[1:]
+            ] == list(rows)
+    for row in rows:
+        assert re.search(rf"^{row} +\d+\.\d +nan +\+?nan%$", out, re.M), row
+        assert re.search(rf"^gradients {row} .* OK; addressing of its 0 host buffers: -$", out,
+                         re.M), row
+    assert "nvfp4 dequantize path, cpu vs cpu" in out and "WRONG" not in out
 
 
 @pytest.mark.gpu_compile

@@ -13,6 +13,7 @@ import pytest
 
 import configs
 import train
+from runtime import comparison
 from conftest import SMALL, run_cli
 from study import cli as study_cli
 from study.__main__ import main as study_main
@@ -83,6 +84,14 @@ BAD_INPUT = {
     "an unknown first flag": ["--verbose"],
     "--list with more": ["--list", "llama405b-offload"],
     "export with an unknown key": ["export", "runs/x", "hf_dir=y", "format=gguf"],
+    # The fit scale's words:
+    "scale=fit on a CPU without a budget": ["llama405b-offload", "scale=fit"],
+    "a budget at proxy scale": ["llama405b-offload", "fit_memory=10"],
+    "a negative budget": ["llama405b-offload", "scale=fit", "fit_memory=-1"],
+    "init_from at fit scale": ["llama405b-offload", "scale=fit", "fit_memory=10",
+                               "init_from=tests/fixtures/llama_gqa"],
+    "fit without an experiment": ["fit"],
+    "fit of an unknown experiment": ["fit", "llama9b"],
 }
 
 
@@ -309,30 +318,39 @@ def test_list_names_every_experiment(capsys):
     assert listed == [*configs.EXPERIMENTS, *configs.COMPARISONS]
 
 
-def test_compare_runs_each_row_into_one_table(tmp_path, capsys, monkeypatch):
-    """The comparison's mechanics: each row resolved with the same overrides and run, then one
-    table (each run itself is tested end to end in tests/test_checkpoints.py)."""
-    ran = []
+def test_a_comparisons_table_sets_each_row_against_the_first_beside_the_studys_ratio(
+        tmp_path, capsys):
+    """The table from the rows' config.json and summary.json (as their processes wrote them):
+    each row's throughput over the first row's, beside the study's (docs/study.md: 2,746 and
+    2,669 TFLOP/s for the offload row and the baseline); on a CPU one line says which rows
+    run one program there (host placements dropped, XLA flags not applied)."""
+    def row(name: str, preset: str, flags: dict, tflops: float, placement: str) -> dict:
+        return {"experiment": name, "scale": "fit", "devices": "8 x cpu", "platform": "cpu",
+                "model": {"n_layers": 5}, "placement": {"layers": {"query_proj": placement}},
+                "run": {"preset": preset, "xla_flags": flags, "out_dir": "runs"},
+                "summary": {"median_step_s": 1 / tflops, "tflops_per_device": tflops,
+                            "peak_device_bytes": None, "compiled_host_bytes": 2**30,
+                            "recomputed_flops_per_device": 0.5e12}}
 
-    def fake_train(setup, target):
-        ran.append((setup.experiment.name, setup.run.steps))
-        return {"median_step_s": 0.5, "tflops_per_device": 1.0, "peak_device_bytes": None,
-                "host_offload_bytes_planned": 2**30}
-
-    monkeypatch.setattr(train, "train", fake_train)
-    code, out, err = run_cli(["llama405b-compare", *SMALL, "steps=2"], tmp_path, capsys)
-    assert code == 0, err
-    assert ran == [(name, 2) for name in configs.COMPARISONS["llama405b-compare"]]
-    (folder,) = tmp_path.glob("llama405b-compare-*")
-    rows = (folder / "compare.csv").read_text().splitlines()
-    assert [r.split(",") for r in rows[1:]] == [
-        ["llama405b-baseline", "remat", "true", "false", "500.0", "1.000", "n/a", "1.00"],
-        ["llama405b-offload", "qkv_offload", "true", "false", "500.0", "1.000", "n/a", "1.00"],
-        ["llama405b-offload-nolhs", "qkv_offload", "false", "false", "500.0", "1.000", "n/a",
-         "1.00"],
-        ["llama405b-offload-pipelined", "qkv_offload", "true", "true", "500.0", "1.000", "n/a",
-         "1.00"]]
-    assert (folder / "compare.md").read_text() in out
+    rows = [row("llama405b-baseline", "remat", {configs.LHS: "true"}, 2.0, "remat"),
+            row("llama405b-offload", "qkv_offload", {configs.LHS: "true"}, 2.5, "offload"),
+            row("llama405b-offload-nolhs", "qkv_offload", {configs.LHS: "false"}, 1.0,
+                "offload")]
+    comparison.table("llama405b-compare", rows, tmp_path)
+    out = capsys.readouterr().out
+    lines = (tmp_path / "compare.csv").read_text().splitlines()
+    assert lines[0].split(",")[4:8] == ["step ms", "TFLOP/s/device", "vs first",
+                                        "study: vs first"]
+    assert [line.split(",") for line in lines[1:]] == [
+        ["llama405b-baseline", "remat", "true", "false", "500.0", "2.000", "1.000", "1.000",
+         "n/a", "1.00", "0.5"],
+        ["llama405b-offload", "qkv_offload", "true", "false", "400.0", "2.500", "1.250",
+         "1.029", "n/a", "1.00", "0.5"],
+        ["llama405b-offload-nolhs", "qkv_offload", "false", "false", "1000.0", "1.000",
+         "0.500", "0.963", "n/a", "1.00", "0.5"]]
+    assert "llama405b-compare (fit scale, 8 x cpu):" in out
+    assert "llama405b-offload = llama405b-offload-nolhs run one program here" in out
+    assert (tmp_path / "compare.md").read_text() in out
 
 
 def test_a_comparison_plans_compiles_and_searches_each_of_its_rows(monkeypatch):

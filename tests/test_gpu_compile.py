@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import configs
-from study import addressing, hlo, predicted, replay
+from study import addressing, fit as study_fit, hlo, predicted, replay
 from study.hlo import parse_module
 from study.traced_step import TracedStep
 from study.compile_only import DEVICELESS, CompileOnly, compile_only, kernel_checks, pool_bytes
@@ -515,3 +515,28 @@ def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():
     traced = TracedStep(setup.model, setup.run, (1, 8, 1)).work(setup.placement)
     assert sum(result.flops.values()) == pytest.approx(sum(traced.flops.values()), rel=1e-12)
     assert 0 < result.gemm_s < result.step_s
+
+
+# The fit scale on GPUs this machine lacks (study/fit.py: the trainer's search, compile-only):
+# a 405B row on one H200 (its state moved to host memory: 10.6B parameters at 2 layers with
+# their gradients and AdamW moments are 169 GB, above the pool) and a DeepSeek row.
+FITS = {("llama405b-offload", "h200", 1): {"optimizer_state": "host"},
+        ("deepseek671b-offload", "h200", 8): {}}
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("name, gpu, count", sorted(FITS))
+def test_a_fit_compiles_for_its_gpus_within_its_budget_with_the_rows_tensors_in_host_memory(
+        name, gpu, count):
+    """The study's layers, as many as fit `count` compile-only `gpu`s: the chosen program
+    within the budget a run there has, one more layer's not (where there is one to add), the
+    reductions the row needs there, and the row's offloaded tensors in host memory, each read
+    back from the bytes it was written to."""
+    fit, row = study_fit.fitted(name, [], GPUS[gpu], count)
+    assert fit.budget.fits(row.compiled_memory()) and fit.memory == row.compiled_memory()
+    assert fit.over is None or not fit.budget.fits(fit.over)
+    layers = ("model.n_layers", "model.n_dense_layers")
+    assert {k: v for k, v in fit.words.items() if k not in layers} == FITS[(name, gpu, count)]
+    in_host = {(line.value.scan, line.value.tag) for line in row.run_tags if line.in_host_memory}
+    assert in_host == IN_HOST_MEMORY[name]
+    assert all(line.addressing.holds for line in row.run_tags if line.in_host_memory)

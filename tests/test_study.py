@@ -15,6 +15,7 @@ from study.gpus import EXPERIMENT_GPUS, GPUS, gpu_of
 from conftest import TINY_DEEPSEEK
 from model import deepseek, families, llama
 from offload import activations
+from runtime import backend
 from runtime.setup import resolve_placement
 
 MiB, GiB = 2**20, 2**30
@@ -127,12 +128,20 @@ def test_the_plan_keeps_a_devices_own_experts_whole():
     assert own in {r.shape for r in planned.residuals}
 
 
-def test_plan_command_prints_the_study_facts(capsys):
+def test_plan_command_prints_the_study_facts(capsys, monkeypatch):
+    """The Llama offload rows' 70.9 GiB per GPU in host memory: within what a run on a GB200
+    tray may pin (3/4 of 4 x 240 GB, a quarter each: 167.6 GiB), not within XLA's own 64 GiB
+    a process, which a shell that sets it keeps."""
     assert study_main(["plan", "llama405b-offload"]) == 0
     out = capsys.readouterr().out
     assert "= 576 MiB per layer; x 126 layers = 70.9 GiB in host memory" in out
-    assert "WARNING" in out and plan.HOST_POOL_VARIABLE in out
-    assert "peak device (estimate)" in out
+    assert "WARNING" not in out and "peak device (estimate)" in out
+    monkeypatch.setattr(backend, "HOST_LIMIT_GIVEN", True)
+    monkeypatch.setenv(backend.HOST_LIMIT_VARIABLE, "64")
+    assert study_main(["plan", "llama405b-offload"]) == 0
+    assert ("WARNING: 70.9 GiB of host memory per GPU exceed the pinned host memory a run may "
+            "hold per GPU on a gb200 host (16.0 GiB): set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=78 x"
+            ) in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", list(configs.EXPERIMENTS))

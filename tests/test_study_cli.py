@@ -11,7 +11,7 @@ import pytest
 from configs import ASYNC_LIMIT, LHS
 from model import deepseek
 from runtime import checkpoints
-from study import bench, checkpoint_bench, cli, compile_table, gpu_check, step_times
+from study import bench, checkpoint_bench, cli, compile_table, fit, gpu_check, step_times
 from study.__main__ import main as study_main
 
 FIXTURE_HLO = Path(__file__).resolve().parent / "fixtures" / "addressing" / "jax-0.10.2.hlo"
@@ -20,7 +20,7 @@ ENTRY_POINTS = {cli.plans: ["full_scale"], cli: ["compile_row", "compile_only"],
                 cli.search_report: ["run_search"], step_times: ["compile_row", "predict"],
                 compile_table: ["compile_row"],
                 bench: ["matmul_ceiling", "step_time", "in_a_fresh_process"],
-                gpu_check: ["check_gradients", "measure_row", "check_nvfp4", "in_a_fresh_process"],
+                gpu_check: ["check_gradients", "measure_rows", "check_nvfp4"], fit: ["fit_row"],
                 checkpoint_bench: ["save_and_restore", "mean_step_s"]}
 
 
@@ -90,11 +90,20 @@ MISTAKES = {
         ["checkpoint-bench", "llama405b-offload", "llama405b-ofload"],
         "unknown experiment 'llama405b-ofload'"),
     "gpu-check: an unknown flag": (["gpu-check", "--smok"], "unknown flag '--smok'"),
-    "gpu-check: --row without its row": (["gpu-check", "--row"], "--row needs ROW"),
-    "gpu-check: --row not a Llama row": (["gpu-check", "--row", "deepseek671b-offload"],
-                                         "--row 'deepseek671b-offload': choose one of"),
+    "gpu-check: the flag it lost": (["gpu-check", "--row", "llama405b-offload"],
+                                    "unknown flag '--row'"),
     "gpu-check: an experiment": (["gpu-check", "llama405b-offload"],
                                  "unexpected word 'llama405b-offload'"),
+    "gpu-check: a key but out_dir": (["gpu-check", "steps=3"],
+                                     "gpu-check takes out_dir= only, got 'steps=3'"),
+    "fit: an unknown GPU": (["fit", "llama405b-offload", "device=tpu"],
+                            "device='tpu': choose one of gb200, b200, h200, h100"),
+    "fit: no GPUs": (["fit", "llama405b-offload", "gpus=0"],
+                     "gpus='0': expected a whole number of GPUs, at least 1"),
+    "fit: a count of no machine in its list": (["fit", "gpus=3"], "no machine of 1 x h100"),
+    "fit: a row misspelt": (["fit", "llama405b-offload", "llama405b-ofload"],
+                            "unknown experiment 'llama405b-ofload'"),
+    "fit: a flag": (["fit", "--all"], "unknown flag '--all'"),
     "search: a plot value outside its choice": (
         ["search", "llama405b-offload", "search.plot=no", OUT],
         "search.plot='no': choose one of auto, off"),
