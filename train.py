@@ -13,15 +13,16 @@
     python train.py fit EXPERIMENT [key=value ...]        how many of its layers fit this
                                                            machine (compiled, not run)
 
-A run: resolve (config, scale, placement, data: any mistake is one line and exit status 2) ->
-program (mesh, optimizer, the step compiled ahead of time for this machine's devices; at fit
-scale, as many of the experiment's layers as fit them) -> state (sharded init, or a
-checkpoint) -> loop -> report. The full-scale plan, GPU compile, search and step times:
-python -m study (study/).
+A run, a line each in train(): resolve (config, scale, placement, data: any mistake is one line
+and exit status 2) -> program (mesh, optimizer; at fit scale, as many of the experiment's
+layers as fit this machine) -> compile (ahead of time, for this machine's devices) -> machine
+check -> state (sharded init, or a checkpoint) -> run folder -> header -> loop -> summary. The
+full-scale plan, GPU compile, search and step times: python -m study (study/).
 """
 
 from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
 
+import math
 import signal
 import sys
 
@@ -32,27 +33,32 @@ from configs import ConfigError
 from data import prepare
 from data.tokens import DataError
 from hf.safetensors import CheckpointError
-from runtime import checkpoints, comparison, distributed, report, sample
+from runtime import checkpoints, comparison, distributed, header, own_program, report, sample
 from runtime.backend import BackendError
 from runtime.fit import FitError
-from runtime.own_program import offloaded, size_words
+from runtime.own_program import size_words
 from runtime.report import NonFiniteLoss
-from runtime.setup import Setup, check_machine, fitted, resolve, start_state
+from runtime.setup import Setup, check_machine, fitted, program_for, resolve, start_state
 from trainer.program import Program
 from trainer.target import Target, this_machine
 
 
 def train(setup: Setup, target: Target) -> dict:
-    """Run the experiment: resolve (done) -> program -> state -> loop -> report. Its summary,
-    with `stopped_by` when a signal ended it early; NonFiniteLoss for a loss not finite."""
+    """Run the experiment, a stage a line: its summary, with `stopped_by` when a signal ended
+    it early; NonFiniteLoss for a loss not finite."""
+    run = setup.run
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
-        setup, program = (fitted(setup, target) if setup.scale == "fit" else
-                          (setup, Program(setup.model, setup.run, setup.placement, target)))
-        run = setup.run
-        check_machine(program, offloads=bool(offloaded(program.traced.jaxpr)))
+        setup, program = program_for(setup, target)  # at fit scale: the layers that fit
+        program.compile_run(evaluation=bool(run.eval_every))
+        readings = own_program.read(program)
+        check_machine(program, offloads=bool(readings.offloaded))
         state, done = start_state(program, setup)
-        log = report.StepLog.start(setup, program, first_step=done + 1)  # compiles the step
-        saver = checkpoints.Saver(log.run_dir.checkpoints, run.keep, run.checkpoint_every)
+        run_dir = report.RunDir.create(setup)  # only now: a run that never starts writes nothing
+        run_dir.write("config.json", report.config_record(setup, program))
+        report.say("\n".join(header.lines(setup, program, readings, run_dir, done + 1)))
+        log = report.StepLog(setup, readings, run_dir, report.tensorboard(run_dir, run),
+                             program.batch_size * run.seq, first_step=done + 1)
+        saver = checkpoints.Saver(run_dir.checkpoints, run.keep, run.checkpoint_every)
         try:
             last = loop(program, setup, state, done, log, saver, stop)
         finally:
@@ -60,44 +66,58 @@ def train(setup: Setup, target: Target) -> dict:
             log.close()
     stopped = stop.signal if last < run.steps else None  # on the last step it stops nothing
     if saver.saved:
-        report.say(report.checkpoint_line(setup, log.run_dir, saver.saved[-1], stopped))
-    return {**log.summary(), "run_dir": log.run_dir.path,
+        report.say(report.checkpoint_line(setup.experiment.name, setup.args, run, run_dir,
+                                          saver.saved[-1], stopped))
+    return {**log.summary(), "run_dir": run_dir.path,
             **({"stopped_by": stopped.name} if stopped else {})}
+
+
+def evaluation(program: Program, setup: Setup, params) -> dict[str, float]:
+    """The val split's mean loss over its fixed eval_batches batches, and its perplexity."""
+    run, size = setup.run, program.batch_size
+    loss = program.eval_loss(params, (setup.data.val.eval_batch(i, size, run.seq, run.eval_batches)
+                                      for i in range(run.eval_batches)))
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))}
 
 
 def loop(program: Program, setup: Setup, state, done: int, log, saver, stop) -> int:
     """Steps done+1.. to the last, or to a stop request; the last step done. The host runs a
-    step ahead: each step is dispatched, then the previous one recorded. Where an evaluation,
-    a checkpoint or the stop is due, the step's own record comes first: only a state whose
-    loss is finite is evaluated or saved."""
+    step ahead: each step is dispatched, then the previous one finished (waited for, timed,
+    checked, written). Where an evaluation, a checkpoint or the stop is due, the step itself
+    is finished first: only a state whose loss is finite is evaluated or saved."""
     run, data, size = setup.run, setup.data, program.batch_size
+    clock, profile = report.Clock(), report.Profile(log.run_dir, run.profile, done + 1, run.steps)
 
-    def evaluation(params):
-        return lambda: program.eval_loss(params, (
-            data.val.eval_batch(i, size, run.seq, run.eval_batches)
-            for i in range(run.eval_batches)))
+    def finish(step: int, metrics, params=None) -> None:
+        values = clock.wait(metrics)
+        profile.end(step)
+        report.check_finite(values["loss"], step, run.steps)
+        if params is not None:
+            values |= evaluation(program, setup, params)
+            clock.restart()  # the evaluation's time is not the next step's
+        log.write(step, values)
 
-    tokens, unread = program.batch(data.batch(done, size, run.seq)), None
+    tokens, pending = program.batch(data.batch(done, size, run.seq)), None
     for step in range(done + 1, run.steps + 1):
-        log.starting(step)
-        state, metrics = program.step(state, tokens)
+        profile.begin(step)
+        state, metrics = program.step(state, tokens)  # dispatched: the host goes on
         stopping = stop.reached(step)
         if step < run.steps and not stopping:
             tokens = program.batch(data.batch(step, size, run.seq))
-        if unread:
-            log.record(*unread)
-        unread = (step, metrics)  # dispatched, not recorded yet
+        if pending:
+            finish(*pending)
+        pending = (step, metrics)
         evaluating = run.eval_every and (step % run.eval_every == 0 or step == run.steps)
         saving = stopping or saver.due(step, run.steps)
         if evaluating or saving:
-            log.record(*unread, evaluation(state["params"]) if evaluating else None)
-            unread = None
+            finish(step, metrics, state["params"] if evaluating else None)
+            pending = None
         if saving:
             saver.save(step, state, checkpoints.run_meta(step, setup, size))
         if stopping:
             return step
-    if unread:
-        log.record(*unread)
+    if pending:
+        finish(*pending)
     return run.steps
 
 

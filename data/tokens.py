@@ -131,7 +131,10 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
-def token_source(path: str, dtype: str, vocab: int, seed: int, seq: int):
+TokenSource = SyntheticTokens | TokenFile
+
+
+def token_source(path: str, dtype: str, vocab: int, seed: int, seq: int) -> TokenSource:
     """Checked up front: a bad file or folder fails before anything is compiled or written."""
     if not path:
         return SyntheticTokens(vocab, seed)

@@ -111,6 +111,33 @@ def explained_compile():
     return captured_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line) else line)
 
 
+def _probe_gradient(policy, weights, x):
+    jnp = jax.numpy  # (JAX is imported last in this module, once the environment is set)
+
+    def layer(x, w):
+        y = jax.ad_checkpoint.checkpoint_name(jnp.sin(x * w), "probe")
+        return x + jnp.cos(y) * w, None
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(body, x, w)[0])))(weights)
+
+
+def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
+    """Whether a scan whose layers each offload one value has the gradient of one that keeps
+    them on the device: jaxlib 0.10.2 and 0.11.0 read them back from the wrong layers on GPUs
+    (openxla/xla #46231). A property of this backend, probed once a run offloads on a GPU."""
+    jnp = jax.numpy
+    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["probe"],
+        offload_src="device", offload_dst="pinned_host")
+    keys = jax.random.split(jax.random.key(0), 2)
+    weights = jax.random.normal(keys[0], (layers, 8, 128), jnp.float32)
+    x = jax.random.normal(keys[1], (8, 128), jnp.float32)
+    kept, offloaded = (jax.jit(gradient, static_argnums=0)(p, weights, x)
+                       for p in (None, offload))
+    return bool(jnp.allclose(offloaded, kept, rtol=1e-4, atol=1e-5))
+
+
 if has_cuda_plugin() and not has_gpu():  # the `gpu-compile` extra on a machine without a GPU
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not any(os.environ.get(name) for name in FRACTION_VARIABLES):

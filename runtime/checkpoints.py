@@ -67,11 +67,11 @@ def run_meta(step: int, setup, batch_size: int) -> dict:
             "data_position": "batches are a function of (seed, step): the step is the position"}
 
 
-def differences(meta: dict, setup, batch_size: int) -> list[str]:
+def differences(meta: dict, model, run, batch_size: int) -> list[str]:
     """What in this run differs from the checkpoint in ways that change the numbers."""
-    found = [f"model.{k}={meta['model'].get(k)} in the checkpoint, {getattr(setup.model, k)} here"
-             for k, v in _plain(setup.model).items() if meta["model"].get(k) != v]
-    run = _plain(setup.run)
+    found = [f"model.{k}={meta['model'].get(k)} in the checkpoint, {getattr(model, k)} here"
+             for k, v in _plain(model).items() if meta["model"].get(k) != v]
+    run = _plain(run)
     found += [f"{k}={meta['run'][k]} in the checkpoint, {run[k]} here" for k in _SAME_ON_RESUME
               if meta["run"].get(k) != run[k]]
     if meta["global_batch"] != batch_size:
@@ -149,9 +149,9 @@ def recorded_fit(target: str, out_dir: str, run_prefix: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in words.items()}
 
 
-def check_outputs(setup, batch_size: int) -> Source | None:
-    """The output folders and the resume checkpoint, checked before anything is compiled."""
-    run = setup.run
+def check_outputs(model, run, run_prefix: str, batch_size: int) -> Source | None:
+    """The output folders and the resume checkpoint (`resume=latest`: the newest
+    `run_prefix-*` run's), checked before anything is compiled."""
     for key, folder in (("out_dir", run.out_dir), ("checkpoint_dir", run.checkpoint_dir)):
         if folder:
             check_folder(f"{key}={folder}", folder)
@@ -159,9 +159,9 @@ def check_outputs(setup, batch_size: int) -> Source | None:
         raise ConfigError(f"checkpoint_dir={run.checkpoint_dir} is not empty: resume="
                           f"{run.checkpoint_dir} continues from it; a new run needs a new folder")
     if run.resume:
-        source = find(run.resume, run.out_dir, f"{setup.experiment.name}-{setup.scale}")
+        source = find(run.resume, run.out_dir, run_prefix)
         meta = source.meta(source.steps[0])
-        if found := differences(meta, setup, batch_size):
+        if found := differences(meta, model, run, batch_size):
             raise ConfigError(f"resume={run.resume}: not this run's checkpoint: {found[0]}"
                               + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
         if meta["step"] >= run.steps:

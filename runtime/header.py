@@ -9,7 +9,7 @@ from model import families
 from model.config import LlamaConfig
 from model.params import param_count
 from runtime import backend, own_program
-from runtime.own_program import GiB, CompiledMemory, size_words
+from runtime.own_program import GiB, size_words
 
 ROWS = ("experiment", "scale", "fit", "model", "full scale", "devices", "batch", "optimizer",
         "dtypes", "kernels", "placement", "xla flags", "memory", "data", "checkpoints", "compile",
@@ -147,10 +147,9 @@ def _output_words(setup, run_dir) -> str:
     return words
 
 
-def lines(setup, program, run_dir, flops: float, recomputed: float,
-          first_step: int) -> list[str]:
+def lines(setup, program, readings, run_dir, first_step: int) -> list[str]:
     """The header (the program compiled), then where each offloaded activation lives."""
-    compiled, target = CompiledMemory.of(program.step), program.target
+    compiled, target = readings.compiled, program.target
     rows = settings_rows(setup, target, program.options, run_dir, first_step)
     rows["memory"] = f"{compiled.device / GiB:.2f} GiB per device"
     if pool := target.pool_bytes():
@@ -160,12 +159,12 @@ def lines(setup, program, run_dir, flops: float, recomputed: float,
         rows["memory"] += f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
     rows["compile"] = (f"{program.compile_s:.1f} s (the step"
                        + (" and the evaluation" if setup.run.eval_every else "")
-                       + f"); model {flops / 1e12:,.2f} TFLOP per device per step "
+                       + f"); model {readings.flops / 1e12:,.2f} TFLOP per device per step "
                        f"(MaxText's formula); its checkpoint policies recompute "
-                       f"{recomputed / 1e12:.3g} TFLOP (matrix products)")
+                       f"{readings.recomputed / 1e12:.3g} TFLOP (matrix products)")
     out = ["=" * 100, *(f"{key:<11} {rows[key]}" for key in ROWS if key in rows)]
-    if offloaded := own_program.offloaded(program.traced.jaxpr):
+    if readings.offloaded:
         hlo = program.step.as_text() if target.platform == "gpu" else None
         out += ["-" * 100, "offloaded, per layer and device, in this run's compiled program:",
-                *own_program.placement_lines(offloaded, hlo)]
+                *own_program.placement_lines(readings.offloaded, hlo)]
     return [*out, "=" * 100]

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 from jax.extend import core as jex_core
 
+from model import families
 from trainer.program import Program
 
 GiB, MiB = 2**30, 2**20
@@ -136,6 +137,29 @@ class CompiledMemory:
     def device(self) -> int:
         """What the program holds in device memory at once (XLA's peak counts host buffers too)."""
         return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Readings:
+    """What a run reads off its own program, once (the header, the step lines and the summary
+    use them): the values it offloads, its compiled memory, its FLOPs per device and step."""
+    offloaded: dict[str, list[Tagged]]
+    compiled: CompiledMemory
+    flops: float  # the model's, by MaxText's formula (model/llama.py, deepseek.py)
+    recomputed: float  # the matrix products its checkpoint policies compute again
+
+    @property
+    def host_planned(self) -> int:
+        """Offloaded bytes per device and step, as the traced step moves them."""
+        return sum(v.nbytes * v.count for sites in self.offloaded.values() for v in sites)
+
+
+def read(program: Program) -> Readings:
+    """`program`'s readings; its step compiled already."""
+    model, per_device = program.model, program.batch_size / len(program.target.devices)
+    return Readings(offloaded(program.traced.jaxpr), CompiledMemory.of(program.step),
+                    families.of(model).training_flops(model, per_device, program.run.seq),
+                    recomputed_flops(program))
 
 
 # A stacked host buffer of a compiled GPU program: `bf16[L, ...]{...:S(5)}` (memory space 5,

@@ -15,8 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from model import families
-from runtime import header, own_program
+from runtime import own_program
 from runtime.own_program import GiB
 
 
@@ -73,90 +72,101 @@ def say(text: str = "") -> None:
         print(text, flush=True)
 
 
-def checkpoint_line(setup, run_dir: RunDir, path: Path, stopped_by) -> str:
+def checkpoint_line(name: str, args, run, run_dir: RunDir, path: Path, stopped_by) -> str:
+    """Where the last checkpoint is and the command that continues from it."""
     stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
-    resume = run_dir.checkpoints if setup.run.checkpoint_dir else run_dir.path
-    args = [a for a in setup.args if not a.startswith(("resume=", "checkpoint_dir="))]
+    resume = run_dir.checkpoints if run.checkpoint_dir else run_dir.path
+    args = [a for a in args if not a.startswith(("resume=", "checkpoint_dir="))]
     return (f"checkpoint  {stop}{path} (complete); continue with: python train.py "
-            f"{' '.join([setup.experiment.name, *args])} resume={resume}")
+            f"{' '.join([name, *args])} resume={resume}")
+
+
+def config_record(setup, program) -> dict:
+    """config.json: what the run trains, on what."""
+    return {"experiment": setup.experiment.name, "scale": setup.scale,
+            "devices": program.target.description, "platform": program.target.platform,
+            "fit": setup.fit.words if setup.fit else None,
+            "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
+            "placement": setup.placement}
+
+
+def tensorboard(run_dir: RunDir, run):
+    """A TensorBoard writer in the run folder (process 0, tensorboard=true), else None."""
+    if not (run.tensorboard and run_dir.main):
+        return None
+    from tensorboardX import SummaryWriter  # imported only here: an optional extra
+    return SummaryWriter(str(run_dir.path / "tensorboard"))
 
 
 class NonFiniteLoss(ArithmeticError):
     """A step's loss is NaN or infinite: the run stops (exit status 1)."""
 
 
-class StepLog:
-    """Each step's line (process 0), metrics.jsonl record and TensorBoard scalars, its time
-    counted from the previous step's completion, an evaluation's time not counted; with
-    profile=true a trace of the run's second to fourth steps."""
+def check_finite(loss: float, step: int, steps: int) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"loss is {loss} at step {step}/{steps}")
 
-    def __init__(self, setup, program, run_dir: RunDir, first_step: int):
-        self.run, self.program, self.run_dir = setup.run, program, run_dir
-        # Model FLOPs of one step per device, by MaxText's formula (model/llama.py, deepseek.py)
-        per_device = program.batch_size / len(program.target.devices)
-        self.flops = families.of(setup.model).training_flops(setup.model, per_device, setup.run.seq)
-        self.tokens, self.first_step = program.batch_size * setup.run.seq, first_step
-        self.host_planned = sum(v.nbytes * v.count for sites in own_program.offloaded(
-            program.traced.jaxpr).values() for v in sites)
-        self.recomputed = own_program.recomputed_flops(program)
-        self.compiled = own_program.CompiledMemory.of(program.step)
-        self.entropy = setup.data.unigram_entropy
-        last = min(first_step + 3, setup.run.steps)
-        self.profiled = (min(first_step + 1, last), last) if setup.run.profile else None
-        self.tensorboard = None
-        if setup.run.tensorboard and run_dir.main:
-            from tensorboardX import SummaryWriter  # imported only here: an optional extra
-            self.tensorboard = SummaryWriter(str(run_dir.path / "tensorboard"))
-        self.times: list[float] = []
-        self.evaluated: dict[str, float] = {}  # the last evaluation's eval_* values
+
+class Clock:
+    """A step's time: from the previous step's completion (or the end of an evaluation, which
+    is not the next step's) to its own."""
+
+    def __init__(self):
         self.last = time.perf_counter()
 
-    @classmethod
-    def start(cls, setup, program, first_step: int) -> "StepLog":
-        """The step (and its evaluation) compiled, then the run's folder, its config.json and
-        the header: a program that does not compile writes nothing."""
-        _ = program.step, program.evaluate if setup.run.eval_every else None
-        run_dir = RunDir.create(setup)
-        run_dir.write("config.json", {
-            "experiment": setup.experiment.name, "scale": setup.scale,
-            "devices": program.target.description, "platform": program.target.platform,
-            "fit": setup.fit.words if setup.fit else None,
-            "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
-            "placement": setup.placement})
-        log = cls(setup, program, run_dir, first_step)
-        say("\n".join(header.lines(setup, program, run_dir, log.flops, log.recomputed,
-                                   first_step)))
-        return log
-
-    def starting(self, step: int) -> None:
-        if self.run_dir.main and self.profiled and step == self.profiled[0]:
-            jax.profiler.start_trace(str(self.run_dir.path / "profile"))
-
-    def record(self, step: int, metrics, evaluation=None) -> None:
-        """Wait for a step's metrics and time it; raise NonFiniteLoss for a loss that is not
-        finite; run `evaluation` (its time not the next step's); print, append and write."""
+    def wait(self, metrics) -> dict:
+        """The step's metrics as floats, once it completes, with its seconds (`step_s`)."""
         values = {k: float(v) for k, v in metrics.items()}
         now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        self.times.append(seconds)
-        if self.run_dir.main and self.profiled and step == self.profiled[1]:
+        values["step_s"], self.last = now - self.last, now
+        return values
+
+    def restart(self) -> None:
+        self.last = time.perf_counter()
+
+
+class Profile:
+    """With profile=true, a trace of the run's second to fourth steps in its profile/ folder."""
+
+    def __init__(self, run_dir: RunDir, on: bool, first_step: int, steps: int):
+        last = min(first_step + 3, steps)
+        self.steps = (min(first_step + 1, last), last) if on and run_dir.main else (0, 0)
+        self.path = run_dir.path / "profile"
+
+    def begin(self, step: int) -> None:
+        if step == self.steps[0]:
+            jax.profiler.start_trace(str(self.path))
+
+    def end(self, step: int) -> None:
+        if step == self.steps[1]:
             jax.profiler.stop_trace()
-            say(f"profile: {self.run_dir.path / 'profile'} (open in Perfetto or TensorBoard)")
-        if not math.isfinite(values["loss"]):
-            raise NonFiniteLoss(f"loss is {values['loss']} at step {step}/{self.run.steps}")
-        values |= {"step_s": seconds, "tokens_per_s": self.tokens / seconds,
-                   "tflops_per_device": self.flops / seconds / 1e12}
-        if evaluation is not None:
-            loss = evaluation()
-            self.evaluated = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700))}
-            values |= self.evaluated
-            self.last = time.perf_counter()
+            say(f"profile: {self.path} (open in Perfetto or TensorBoard)")
+
+
+class StepLog:
+    """Each step's line (process 0), metrics.jsonl record and TensorBoard scalars; the summary."""
+
+    def __init__(self, setup, readings: own_program.Readings, run_dir: RunDir, tensorboard,
+                 tokens: int, first_step: int):
+        self.run, self.readings, self.run_dir = setup.run, readings, run_dir
+        self.tokens, self.first_step, self.tensorboard = tokens, first_step, tensorboard
+        self.entropy = setup.data.unigram_entropy
+        self.times: list[float] = []
+        self.evaluated: dict[str, float] = {}  # the last evaluation's eval_* values
+
+    def write(self, step: int, values: dict) -> None:
+        """A step's values (loss, step_s, eval_* where evaluated): printed, appended, written."""
+        seconds = values["step_s"]
+        self.times.append(seconds)
+        values |= {"tokens_per_s": self.tokens / seconds,
+                   "tflops_per_device": self.readings.flops / seconds / 1e12}
+        if "eval_loss" in values:
+            self.evaluated = {k: values[k] for k in ("eval_loss", "eval_perplexity")}
         say(self._line(step, values))
         self.run_dir.append("metrics.jsonl", {"step": step, **values})
         if self.tensorboard:
             for name, value in values.items():
                 self.tensorboard.add_scalar(name, value, step)
-
     def _line(self, step: int, values: dict) -> str:
         eta = statistics.median(self.times) * (self.run.steps - step)
         line = (f"step {step:>{len(str(self.run.steps))}}/{self.run.steps}  loss "
@@ -178,16 +188,18 @@ class StepLog:
 
     def summary(self) -> dict:
         median = statistics.median(self.times[1:] or self.times)  # not step 1's warm-up
+        flops, recomputed, compiled = (self.readings.flops, self.readings.recomputed,
+                                       self.readings.compiled)
         stats = jax.local_devices()[0].memory_stats() or {}
         result = {
-            "median_step_s": median, "tflops_per_device": self.flops / median / 1e12,
+            "median_step_s": median, "tflops_per_device": flops / median / 1e12,
             "tokens_per_s": self.tokens / median,
-            "recomputed_flops_per_device": self.recomputed,
+            "recomputed_flops_per_device": recomputed,
             "peak_device_bytes": stats.get("peak_bytes_in_use"),
-            "compiled_device_bytes": self.compiled.device,
-            "compiled_host_bytes": self.compiled.host,
+            "compiled_device_bytes": compiled.device,
+            "compiled_host_bytes": compiled.host,
             "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "host_offload_bytes_planned": self.host_planned,
+            "host_offload_bytes_planned": self.readings.host_planned,
         }
         if self.evaluated:
             result |= {**self.evaluated, "unigram_entropy": self.entropy}
@@ -198,12 +210,12 @@ class StepLog:
         say(f"median step {median * 1e3:.1f} ms over steps {self.first_step + 1}..{last}"
             if len(self.times) > 1 else f"step time {median * 1e3:.1f} ms (one step)")
         say(f"throughput  {result['tflops_per_device']:.3f} TFLOP/s/device (MaxText's formula), "
-            f"{result['tokens_per_s']:,.0f} tokens/s; {self.recomputed / 1e12:.3g} TFLOP per "
+            f"{result['tokens_per_s']:,.0f} tokens/s; {recomputed / 1e12:.3g} TFLOP per "
             "device recomputed per step")
-        say(f"memory      peak device {peak}, compiled {_fmt_bytes(self.compiled.device)}; "
-            f"host {_fmt_bytes(self.compiled.host)} compiled, process peak "
+        say(f"memory      peak device {peak}, compiled {_fmt_bytes(compiled.device)}; "
+            f"host {_fmt_bytes(compiled.host)} compiled, process peak "
             f"{_fmt_bytes(result['host_peak_rss_bytes'])}; offloaded activations "
-            f"{_fmt_bytes(self.host_planned)} per device (planned)")
+            f"{_fmt_bytes(self.readings.host_planned)} per device (planned)")
         if self.evaluated:
             say(f"eval        loss {result['eval_loss']:.4f} nats/token (perplexity "
                 f"{result['eval_perplexity']:,.1f}) after step {last}; the train split's "

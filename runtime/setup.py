@@ -7,13 +7,10 @@ import importlib.util
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 import configs
 from configs import ConfigError
-from data.tokens import token_source
+from data.tokens import TokenSource, token_source
 from hf.load import Checkpoint, open_checkpoint
 from model import families
 from offload import activations, optimizer_state
@@ -23,19 +20,20 @@ from trainer.program import Program, quantization_problems
 from trainer.target import Target
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Setup:
+    """A run's settings, resolved and checked: complete when made."""
     experiment: configs.Experiment
     scale: str
     scale_reason: str
     model: configs.ModelConfig
     run: configs.RunConfig
     placement: dict | None  # scan -> {tag: device|offload|remat}; None: checkpointing off
-    data: object
+    data: TokenSource
     hf_params: Checkpoint | None  # init_from, not read yet: each process reads its share
-    resume: checkpoints.Source | None = None  # the checkpoint this run continues from
-    args: tuple[str, ...] = ()  # the command line's key=value overrides, as given
-    fit: fits.Fit | None = None  # at fit scale: what it reduced and measured
+    resume: checkpoints.Source | None  # the checkpoint this run continues from
+    args: tuple[str, ...]  # the command line's key=value overrides, as given
+    fit: fits.Fit | None  # at fit scale: what it reduced and measured (a resume: recorded)
 
 
 def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str,
@@ -136,11 +134,10 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
         raise ConfigError("tensorboard=true writes through tensorboardX, which is not "
                           "installed: pip install -e '.[tensorboard]'")
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
-    setup = Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
-                  hf_params, args=tuple(args), fit=recorded)
-    if not full:
-        setup.resume = checkpoints.check_outputs(setup, run.batch(len(devices)))
-    return setup
+    resume = None if full else checkpoints.check_outputs(model, run, f"{name}-{scale}",
+                                                         run.batch(len(devices)))
+    return Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
+                 hf_params, resume, tuple(args), recorded)
 
 
 def resolve_placement(model, run: configs.RunConfig) -> dict | None:
@@ -200,9 +197,16 @@ def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
     return with_fit(setup, fit), program
 
 
+def program_for(setup: Setup, target: Target) -> tuple[Setup, Program]:
+    """The run's program for this machine's devices (at fit scale: the fit, searched)."""
+    if setup.scale == "fit":
+        return fitted(setup, target)
+    return setup, Program(setup.model, setup.run, setup.placement, target)
+
+
 def start_state(program: Program, setup: Setup) -> tuple[dict, int]:
     """(state, steps already done): the resume checkpoint's, resharded onto the program's
-    mesh, or a fresh one. Before the step compiles: a checkpoint that does not read costs none."""
+    mesh, or a fresh one."""
     if setup.resume is None:
         return program.init_state(setup.hf_params), 0
     state, meta = checkpoints.restore(setup.resume, program.state_shapes)
@@ -224,29 +228,7 @@ def check_machine(program: Program, offloads: bool) -> None:
             raise ConfigError(f"optimizer_state=host: the state and its new copy need "
                               f"{need / 2**30:.1f} GiB of host memory here, the host has "
                               f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
-    if target.platform == "gpu" and offloads and not host_reads_in_order():
+    if target.platform == "gpu" and offloads and not backend.host_reads_in_order():
         raise ConfigError("this jax reads offloaded activations back from the wrong layers on "
                           "this GPU (openxla/xla #46231; fixed in jax 0.11.1): the gradients "
                           "would be wrong; use the pinned jax or a placement without offload")
-
-
-def _probe_gradient(policy, weights, x):
-    def layer(x, w):
-        y = checkpoint_name(jnp.sin(x * w), "probe")
-        return x + jnp.cos(y) * w, None
-
-    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    return jax.grad(lambda w: jnp.sum(jnp.square(jax.lax.scan(body, x, w)[0])))(weights)
-
-
-def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
-    """Whether a scan whose layers each offload one value has the gradient of one that keeps
-    them on the device: jaxlib 0.10.2 and 0.11.0 read them back from the wrong layers on GPUs
-    (openxla/xla #46231)."""
-    offload = activations.checkpoint_policy({"probe": "offload"})
-    keys = jax.random.split(jax.random.key(0), 2)
-    weights = jax.random.normal(keys[0], (layers, 8, 128), jnp.float32)
-    x = jax.random.normal(keys[1], (8, 128), jnp.float32)
-    kept, offloaded = (np.asarray(jax.jit(gradient, static_argnums=0)(p, weights, x))
-                       for p in (None, offload))
-    return bool(np.allclose(offloaded, kept, rtol=1e-4, atol=1e-5))

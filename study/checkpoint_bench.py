@@ -8,6 +8,7 @@ with the step for the same cores, which a GPU run does not.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import statistics
@@ -52,7 +53,7 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> str:
     blocking = time.perf_counter() - started
     saver.close()
     on_disk = time.perf_counter() - started
-    setup.resume = checkpoints.find(str(directory), "", "")
+    setup = dataclasses.replace(setup, resume=checkpoints.find(str(directory), "", ""))
     started = time.perf_counter()
     jax.block_until_ready(runtime_setup.start_state(program, setup)[0])
     restore = time.perf_counter() - started

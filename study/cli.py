@@ -62,7 +62,7 @@ def check_out_dir(setup: Setup) -> None:
     """out_dir checked as a run checks it (checkpoints.check_outputs), before anything is traced or
     compiled; not checkpoint_dir or resume: these modes neither checkpoint nor resume."""
     run = dataclasses.replace(setup.run, checkpoint_dir="", resume="")
-    checkpoints.check_outputs(dataclasses.replace(setup, run=run), 0)
+    checkpoints.check_outputs(setup.model, run, "", 0)
 
 
 def plan(name: str, args: list[str]) -> None:

@@ -12,6 +12,7 @@ Last, two checkpoints restored onto the two processes and gathered: the one they
 one a single process saved. One launch for all: each start costs seconds.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -98,7 +99,7 @@ def restored_params(checkpoint: Path) -> dict[str, np.ndarray]:
     devices as a resumed run places them, then gathered whole."""
     argv = RUNS["deepseek"]
     setup = runtime_setup.resolve(argv[0], argv[1:], jax.devices())
-    setup.resume = checkpoints.find(str(checkpoint), "", "")
+    setup = dataclasses.replace(setup, resume=checkpoints.find(str(checkpoint), "", ""))
     target = trainer_target.this_machine()
     program = Program(setup.model, setup.run, setup.placement, target)
     state, _ = runtime_setup.start_state(program, setup)

@@ -19,7 +19,7 @@ from study.gpus import GPUS
 from study import addressing, memory, offload_proof
 from study.jaxpr import Tagged
 from tools import offload_probe
-from runtime import setup as runtime_setup
+from runtime import backend, setup as runtime_setup
 from runtime.own_program import CompiledMemory
 from trainer.target import Target
 
@@ -309,7 +309,7 @@ def test_the_study_reports_a_step_that_reads_the_wrong_bytes():
 def _reads_walking_forward(policy, weights, x):
     """The probe's gradient as a jax that reads each offloaded layer's activation back from
     another layer would give it: the layers' gradients in the wrong order."""
-    got = runtime_setup._probe_gradient(None, weights, x)
+    got = backend._probe_gradient(None, weights, x)
     return got if policy is None else got[::-1]
 
 
@@ -327,15 +327,15 @@ def test_the_probes_offloading_program_keeps_its_value_in_host_memory():
 
     def recorded(policy, weights, x):
         given.append((policy, jax.typeof(weights).shape, jax.typeof(x).shape))
-        return runtime_setup._probe_gradient(policy, weights, x)
+        return backend._probe_gradient(policy, weights, x)
 
-    assert runtime_setup.host_reads_in_order(recorded)
+    assert backend.host_reads_in_order(recorded)
     (kept, shape, x_shape), (offloading, *_) = given
     devices = compile_only(GPUS["h200"], 1).devices
     replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices[:1], ("x",)),
                                             jax.sharding.PartitionSpec())
     for policy, proofs, host in ((kept, 0, 0), (offloading, 1, 4 * shape[0] * 8 * 128)):
-        compiled = jax.jit(runtime_setup._probe_gradient, static_argnums=0).trace(
+        compiled = jax.jit(backend._probe_gradient, static_argnums=0).trace(
             policy, *(jax.ShapeDtypeStruct(s, jnp.float32, sharding=replicated)
                       for s in (shape, x_shape))).lower().compile()
         found = addressing.prove(compiled.as_text())
@@ -352,18 +352,18 @@ def test_a_gpu_run_refuses_a_jax_that_reads_the_wrong_bytes(monkeypatch):
     where it is) and fails on gradients read back in the wrong layer order. Where nothing is
     offloaded and on a CPU, no probe runs (compile-only GPUs never run check_machine: no
     step runs there)."""
-    assert runtime_setup.host_reads_in_order()
-    assert not runtime_setup.host_reads_in_order(_reads_walking_forward)
+    assert backend.host_reads_in_order()
+    assert not backend.host_reads_in_order(_reads_walking_forward)
     gpu = Target("gpu", (9, 0), ("an H200",))
 
     def program(target):
         return types.SimpleNamespace(target=target, run=configs.RunConfig())
 
-    monkeypatch.setattr(runtime_setup, "host_reads_in_order", lambda: False)
+    monkeypatch.setattr(backend, "host_reads_in_order", lambda: False)
     with pytest.raises(ConfigError, match="wrong layers") as refused:
         runtime_setup.check_machine(program(gpu), offloads=True)
     assert "openxla/xla #46231" in str(refused.value) and "jax 0.11.1" in str(refused.value)
-    monkeypatch.setattr(runtime_setup, "host_reads_in_order",
+    monkeypatch.setattr(backend, "host_reads_in_order",
                         lambda: pytest.fail("the probe ran"))
     for target, offloads in [(gpu, False), (Target("cpu", None, ("a CPU",)), True)]:
         runtime_setup.check_machine(program(target), offloads)

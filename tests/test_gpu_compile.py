@@ -299,8 +299,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     setup = row.setup
     # A real H200's pool (XLA's allocator limit) is what study/compile_only.py plans against.
     monkeypatch.setattr(CompileOnly, "pool_bytes", lambda self: pool_bytes(GPUS["h200"]))
-    print("\n".join(header.lines(setup, built, report.RunDir(tmp_path, tmp_path / "ckpt"),
-                                  1e12, 0.0, first_step=1)))
+    print("\n".join(header.lines(setup, built, own_program.read(built),
+                                  report.RunDir(tmp_path, tmp_path / "ckpt"), first_step=1)))
     out = capsys.readouterr().out
     assert "8 x NVIDIA H200 141GB HBM3e, compile-only" in out and "FULL" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true [applied" in out

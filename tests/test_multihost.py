@@ -5,6 +5,7 @@ The two processes run tests/multihost_worker.py (train.main, then the sharded im
 this test computes the one-process reference in its own worker (8 devices, conftest.py).
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -136,7 +137,7 @@ def test_two_processes_train_and_import_as_one_process_of_eight(tmp_path, monkey
                 "ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
             setup = runtime_setup.resolve(worker.RUNS["deepseek"][0], worker.RUNS["deepseek"][1:],
                                   jax.devices())
-            setup.resume = checkpoints.find(str(run_dir), "", "")
+            setup = dataclasses.replace(setup, resume=checkpoints.find(str(run_dir), "", ""))
             target = trainer_target.this_machine()
             state, step = start_state(setup, target)
             assert step == 2

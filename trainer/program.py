@@ -116,8 +116,8 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
 
 class Program:
     """One run's train step for one target. Nothing is allocated or compiled until asked:
-    `step` and `evaluate` compile on first use (their seconds add up in `compile_s`), so a
-    resume reads its checkpoint against `state_shapes` before anything compiles."""
+    `step` and `evaluate` compile on first use or in `compile_run` (their seconds add up in
+    `compile_s`); `state_shapes` describe the state without making it."""
 
     def __init__(self, model, run: RunConfig, placement: dict | None, target: Target):
         self.model, self.run, self.target = model, run, target
@@ -156,6 +156,10 @@ class Program:
             raise
         self.compile_s += time.perf_counter() - started
         return compiled
+
+    def compile_run(self, evaluation: bool) -> None:
+        """What a run calls: its step and, with `evaluation`, the evaluation compiled now."""
+        _ = self.step, self.evaluate if evaluation else None
 
     @functools.cached_property
     def step(self) -> jax.stages.Compiled:
