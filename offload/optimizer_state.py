@@ -13,29 +13,25 @@ HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 SCOPE = "optimizer_state"  # the named scope of its moves, apart from the activations' tags
 
 
-def host_update(clip, adamw, scans):
-    """(grads, opt_state, params) -> (params, opt_state) for the state of `optax.chain(clip,
-    adamw)` kept on host: the leaves outside the layer `scans` (embedding, final norm, LM head)
-    at once, each scan's stacked leaves one layer at a time."""
-
-    @jax.named_scope(SCOPE)
-    def update(grads, opt_state, params):
-        # Clipped as a whole (it needs the global norm); XLA writes it over the gradients.
-        grads, _ = clip.update(grads, opt_state[0])
-        state = opt_state[1]  # its moments in host memory (the state's shardings say so)
-        rest = [k for k in params if k not in scans]
-        updates, new = adamw.update(_keys(grads, rest),
-                                    _move(_cut(state, rest, params), DEVICE), _keys(params, rest))
-        new_params = optax.apply_updates(_keys(params, rest), updates)
-        pieces = [_move(new, HOST)]  # the first piece brings the new step counts
-        for scan in (k for k in params if k in scans):
-            done, piece = _by_layer(adamw, _keys(grads, [scan]),
-                                    _cut(state, [scan], params), _keys(params, [scan]))
-            new_params |= done
-            pieces.append(piece)
-        return new_params, (opt_state[0], _join(state, pieces, params))
-
-    return update
+@jax.named_scope(SCOPE)
+def host_update(grads, opt_state, params, clip, adamw, scans):
+    """(params, opt_state) updated, for the state of `optax.chain(clip, adamw)` kept on host:
+    the leaves outside the layer `scans` (embedding, final norm, LM head) at once, each scan's
+    stacked leaves one layer at a time."""
+    # Clipped as a whole (it needs the global norm); XLA writes it over the gradients.
+    grads, _ = clip.update(grads, opt_state[0])
+    state = opt_state[1]  # its moments in host memory (the state's shardings say so)
+    rest = [k for k in params if k not in scans]
+    updates, new = adamw.update(_keys(grads, rest),
+                                _move(_cut(state, rest, params), DEVICE), _keys(params, rest))
+    new_params = optax.apply_updates(_keys(params, rest), updates)
+    pieces = [_move(new, HOST)]  # the first piece brings the new step counts
+    for scan in (k for k in params if k in scans):
+        done, piece = _by_layer(adamw, _keys(grads, [scan]),
+                                _cut(state, [scan], params), _keys(params, [scan]))
+        new_params |= done
+        pieces.append(piece)
+    return new_params, (opt_state[0], _join(state, pieces, params))
 
 
 def _by_layer(adamw, grads, state, params):

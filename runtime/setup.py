@@ -178,7 +178,7 @@ def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
     def measure(words: dict) -> tuple[CompiledMemory, Program]:
         model, run = configs.apply_overrides(setup.model, setup.run, words)
         program = Program(model, run, resolve_placement(model, run), target)
-        return CompiledMemory.of(program.step), program
+        return CompiledMemory.of(program.compile_run()), program
 
     if setup.fit is not None:  # recorded: the words are applied already
         started = time.perf_counter()

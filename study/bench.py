@@ -71,7 +71,8 @@ def step_time(model, run, preset: str, repeats: int) -> float:
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     run = dataclasses.replace(run, optimizer_state="device")  # where `state` is made here
     options = program.forward_options(model, run, tables, None, trainer_target.this_machine())
-    step = jax.jit(program.make_step(model, run, options, optimizer), donate_argnums=0)
+    step = jax.jit(partial(trainer_step.train_step, model=model, run=run, options=options),
+                   donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))
 
     def one_step():

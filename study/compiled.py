@@ -4,6 +4,7 @@ addressing)."""
 
 import dataclasses
 import functools
+from functools import partial
 
 import jax
 
@@ -15,6 +16,7 @@ from study.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
 from study.gpus import Gpu
 from study.traced_step import traced_step
 from trainer.program import Program
+from trainer.step import train_step
 from trainer.target import Target
 
 
@@ -89,7 +91,9 @@ def compile_row(setup: Setup, gpu: Gpu, target: Target | None = None) -> Compile
         with kernel_checks(target):
             shapes = dict(program.state_shapes)
             opt_state = shapes.pop("opt_state")
-            traced = jax.jit(arriving(program.step_function()), donate_argnums=0).trace(
+            step = partial(train_step, model=program.model, run=program.run,
+                           options=program.options)
+            traced = jax.jit(arriving(step), donate_argnums=0).trace(
                 shapes, opt_state, program.batch_shape)
             compiled = program.compile(traced, DEVICELESS)
         return CompiledRow(setup, gpu, program, compiled,

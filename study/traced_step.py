@@ -8,6 +8,7 @@ as a GPU computes them (target "any": grouped GEMMs, or one per local expert if 
 
 import dataclasses
 import functools
+from functools import partial
 import math
 
 import jax
@@ -21,7 +22,7 @@ from model.params import ParamSpec, abstract_params, param_count
 from model.sharding import AxisRules
 from runtime.own_program import tagged_in
 from trainer import program
-from trainer.step import make_optimizer
+from trainer.step import make_optimizer, train_step
 from trainer.target import ANY
 
 
@@ -112,8 +113,8 @@ class TracedStep:
     @_traced_once
     def exported(self, tables: dict | None) -> set[tuple[str, str]]:
         """(scan, tag) the sharded step exported for a GPU offloads under `tables` (verified)."""
-        step = jax.jit(program.make_step(self.model, self.run, self.options(tables, self.rules),
-                                         self.optimizer), donate_argnums=0)
+        step = jax.jit(partial(train_step, model=self.model, run=self.run,
+                               options=self.options(tables, self.rules)), donate_argnums=0)
         return offload_proof.verify_offloads(step, self.state, self.batch)
 
     @_traced_once

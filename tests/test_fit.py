@@ -35,7 +35,7 @@ def compiled(name: str, words: list[str]) -> CompiledMemory:
     fit scale, its layer count given: no budget applies)."""
     setup = runtime_setup.resolve(name, ["fit_memory=1000", *words], jax.devices())
     return CompiledMemory.of(Program(setup.model, setup.run, setup.placement,
-                                     this_machine()).step)
+                                     this_machine()).compile_run())
 
 
 def between(a: int, b: int) -> str:

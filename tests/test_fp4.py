@@ -12,12 +12,12 @@ import pytest
 
 import nvfp4_reference as ref
 
-from configs import OptimizerConfig
+from configs import RunConfig
 from conftest import one_device_params, tokens
 from model import fp4, quant
 from model.options import ForwardOptions
 from model.config import LlamaConfig
-from trainer.step import device_update, loss_fn, make_optimizer, train_step
+from trainer.step import make_optimizer, train_step
 
 FP4 = quant.Quantization("dequantize")  # every GEMM in FP4, 16x16 weight tiles
 round_stochastic = jax.jit(quant.round_stochastic)
@@ -226,9 +226,10 @@ def test_each_step_layer_matrix_and_gemm_rounds_with_bits_of_its_own(monkeypatch
     cfg = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                       d_ff=48, rope_theta=1000.0)
     params = one_device_params(cfg)
-    optimizer = make_optimizer(OptimizerConfig(), steps=2)
-    loss = partial(loss_fn, model=cfg, options=ForwardOptions(quantization=FP4))
-    step = jax.jit(partial(train_step, loss=loss, update=device_update(optimizer)))
+    run = RunConfig(steps=2)
+    optimizer = make_optimizer(run.optimizer, run.steps)
+    step = jax.jit(partial(train_step, model=cfg, run=run,
+                           options=ForwardOptions(quantization=FP4)))
     state, batch = {"params": params, "opt_state": optimizer.init(params)}, tokens(cfg, 2, 17)
 
     def bits_of(t: int) -> list[np.ndarray]:

@@ -16,18 +16,20 @@ from model.params import ParamSpec, init_params, param_shardings
 from model.sharding import AxisRules, make_mesh
 from offload import activations
 from trainer.program import forward_options, make_loss, mesh_of
-from trainer.step import device_update, expert_metrics, loss_fn, make_optimizer, train_step
+from trainer.step import expert_metrics, loss_fn, make_optimizer, train_step
 from trainer.target import Target
 
 
 def step(params, batch, rules, loss_chunks=1):
-    optimizer = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4)
+    run = RunConfig(optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0), steps=4,
+                    loss_chunks=loss_chunks)
+    optimizer = make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     policy = activations.checkpoint_policy(activations.PRESETS["qkv_offload"])
-    loss = partial(loss_fn, model=SHARDED_LLAMA, loss_chunks=loss_chunks,
-                   options=ForwardOptions(policies=(("layers", policy),), rules=rules))
+    options = ForwardOptions(policies=(("layers", policy),), rules=rules)
+    loss = partial(loss_fn, model=SHARDED_LLAMA, loss_chunks=loss_chunks, options=options)
     grads = jax.grad(loss, has_aux=True)(params, batch)
-    _, metrics = train_step(state, batch, loss=loss, update=device_update(optimizer))
+    _, metrics = train_step(state, batch, model=SHARDED_LLAMA, run=run, options=options)
     # Not the updated parameters: Adam's first step is about lr * sign(g), so a gradient
     # near zero turns a rounding-level difference into one of order lr.
     return grads, metrics

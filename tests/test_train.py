@@ -16,7 +16,7 @@ from model.params import init_params
 from model.sharding import AxisRules, make_mesh
 from offload import activations
 from data.tokens import SyntheticTokens, TokenFile
-from trainer.step import device_update, loss_fn, make_optimizer, train_step
+from trainer.step import make_optimizer, train_step
 from conftest import NARROW, SMALL, run_cli
 
 
@@ -29,10 +29,10 @@ def proxy_losses(batches, lr: float, cfg=None, options=ForwardOptions()) -> list
         cfg = dataclasses.replace(cfg, n_layers=2, vocab=256, d_model=128, d_ff=256)
     mesh = make_mesh((1, 1), ("data", "fsdp"), devices=jax.devices()[:1])
     params = init_params(llama.param_specs(cfg), AxisRules(mesh=mesh), jax.random.key(0))
-    optimizer = make_optimizer(OptimizerConfig(lr=lr, warmup_steps=0), steps=len(batches))
+    run = configs.RunConfig(optimizer=OptimizerConfig(lr=lr, warmup_steps=0), steps=len(batches))
+    optimizer = make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
-    loss = partial(loss_fn, model=cfg, options=options)
-    step = jax.jit(partial(train_step, loss=loss, update=device_update(optimizer)))
+    step = jax.jit(partial(train_step, model=cfg, run=run, options=options))
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)

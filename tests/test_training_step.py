@@ -155,7 +155,7 @@ def test_the_trainers_steps_are_a_float64_reference_written_from_the_formulas(na
 
 
 def test_a_deepseek_step_reports_the_drops_of_the_worst_device_of_its_expert_axis():
-    """What a run reports, read off the trainer's own step (make_step wires mesh.expert into
+    """What a run reports, read off the trainer's own step (train_step reads mesh.expert in
     it): expert parallelism 4 x FSDP 2 over 8 devices, blocks small enough to drop. The test
     groups the loss's per-expert loads and drops [L, E] by device of the expert axis itself
     (4 consecutive experts of 16, every MoE layer): the reported worst share is the largest
@@ -173,7 +173,7 @@ def test_a_deepseek_step_reports_the_drops_of_the_worst_device_of_its_expert_axi
     batch = program.batch(batch)
     loss = make_loss(model, program.run, program.options)  # the step's own loss
     _, aux = jax.jit(loss)(state["params"], batch)  # before the step: it donates the state
-    _, metrics = program.step(state, batch)
+    _, metrics = program.compile_run()(state, batch)
     load, dropped = (np.asarray(aux[k], np.float64) for k in ("expert_load", "expert_dropped"))
 
     def worst(devices: int) -> float:
@@ -233,7 +233,7 @@ def trainer_steps(model, run, params, batches):
     program, state = trainer(model, run, params, batches[0].shape)
     history = []
     for batch in batches:
-        state, _ = program.step(state, program.batch(np.asarray(batch)))
+        state, _ = program.compile_run()(state, program.batch(np.asarray(batch)))
         history.append({"params": flat(state["params"]),
                         "mu": flat(optax.tree.get(state["opt_state"], "mu")),
                         "nu": flat(optax.tree.get(state["opt_state"], "nu"))})

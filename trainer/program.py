@@ -16,9 +16,8 @@ from model.experts import ExpertParallel
 from model.params import abstract_params, init_params, param_shardings
 from model.sharding import AxisRules, make_mesh
 from offload import activations
-from offload.optimizer_state import host_update
 from runtime.backend import explained_compile
-from trainer.step import device_update, loss_fn, make_optimizer, optimizer_parts, train_step
+from trainer.step import loss_fn, make_optimizer, train_step
 from trainer.target import ANY, Target, compiler_options, quantization
 
 
@@ -87,18 +86,6 @@ def make_loss(model, run: RunConfig, options: ForwardOptions):
                    balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks)
 
 
-def make_step(model, run: RunConfig, options: ForwardOptions, optimizer):
-    """(state, batch) -> (state, metrics), not jitted."""
-    if run.optimizer_state == "host":
-        clip, adamw = optimizer_parts(run.optimizer, run.steps)
-        update = host_update(clip, adamw, families.of(model).SCANS)
-    else:
-        update = device_update(optimizer)
-    return partial(train_step, loss=make_loss(model, run, options), update=update,
-                   router_bias_rate=run.router_bias_rate, expert_devices=run.mesh.expert,
-                   seed=run.seed)
-
-
 def quantization_problems(model, run: RunConfig) -> list[str]:
     """Whether NVFP4 can encode every quantized matrix of `model`: its forward traced abstractly."""
     if run.quant == "none":
@@ -116,7 +103,7 @@ def quantization_problems(model, run: RunConfig) -> list[str]:
 
 class Program:
     """One run's train step for one target. Nothing is allocated or compiled until asked:
-    `step` and `evaluate` compile on first use or in `compile_run` (their seconds add up in
+    `traced` on first use, `step` and `evaluate` in `compile_run` (their seconds add up in
     `compile_s`); `state_shapes` describe the state without making it."""
 
     def __init__(self, model, run: RunConfig, placement: dict | None, target: Target):
@@ -128,19 +115,17 @@ class Program:
         self.batch_shape = abstract_batch(run, self.rules, len(target.devices))
         self.batch_size = self.batch_shape.shape[0]
         self.compile_s = 0.0
+        self.step = self.evaluate = None  # compiled: compile_run
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
         return self.rules.mesh
 
-    def step_function(self):
-        return make_step(self.model, self.run, self.options, self.optimizer)
-
     @functools.cached_property
     def traced(self) -> jax.stages.Traced:
         """The step traced on the abstract state and batch (its jaxpr: what it offloads)."""
-        step = jax.jit(self.step_function(), donate_argnums=0)
-        return step.trace(self.state_shapes, self.batch_shape)
+        step = partial(train_step, model=self.model, run=self.run, options=self.options)
+        return jax.jit(step, donate_argnums=0).trace(self.state_shapes, self.batch_shape)
 
     def compile(self, traced: jax.stages.Traced, options: dict | None = None):
         """`traced` compiled with the run's XLA flags (a GPU target's) and `options`, timed."""
@@ -157,20 +142,17 @@ class Program:
         self.compile_s += time.perf_counter() - started
         return compiled
 
-    def compile_run(self, evaluation: bool) -> None:
-        """What a run calls: its step and, with `evaluation`, the evaluation compiled now."""
-        _ = self.step, self.evaluate if evaluation else None
-
-    @functools.cached_property
-    def step(self) -> jax.stages.Compiled:
-        return self.compile(self.traced)
-
-    @functools.cached_property
-    def evaluate(self) -> jax.stages.Compiled:
-        """The forward-only loss (cross-entropy) of one batch, on the step's mesh and params."""
-        loss = make_loss(self.model, self.run, self.options)
-        evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
-        return self.compile(evaluate.trace(self.state_shapes["params"], self.batch_shape))
+    def compile_run(self, evaluation: bool = False) -> jax.stages.Compiled:
+        """`step`, the traced step compiled for the target, and with `evaluation`, `evaluate`:
+        each compiled once, here (a run's compile stage; a fit's search compiles its steps)."""
+        if self.step is None:
+            self.step = self.compile(self.traced)
+        if evaluation and self.evaluate is None:
+            loss = make_loss(self.model, self.run, self.options)
+            evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
+            self.evaluate = self.compile(evaluate.trace(self.state_shapes["params"],
+                                                        self.batch_shape))
+        return self.step
 
     def init_state(self, checkpoint=None) -> dict:
         """Parameters (random, or a Hugging Face `checkpoint`'s) and optimizer state, sharded."""

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import optax
 from einops import rearrange
 
-from configs import OptimizerConfig
+from configs import OptimizerConfig, RunConfig
 from model import families
 from model.layers import unembed
 from model.sharding import constrain
+from offload.optimizer_state import host_update
 
 
 def cross_entropy(logits, targets):
@@ -65,25 +66,28 @@ def update_router_bias(params, expert_load, rate: float):
     return {**params, "moe_layers": {**moe, "router_bias": moe["router_bias"] + step}}
 
 
-def device_update(optimizer):
-    """(grads, opt_state, params) -> (params, opt_state): the whole state on the device."""
-    def update(grads, opt_state, params):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-    return update
-
-
-def train_step(state, batch, *, loss, update, router_bias_rate=0.0, expert_devices=1, seed=0):
-    """`update`: `device_update` or, for the state in host memory, offload/optimizer_state.py's;
-    `expert_devices`: the devices of the expert axis, whose experts' drops are reported apart.
-    The step's key is a function of (seed, step), so a resumed run draws the same bits."""
-    key = jax.random.fold_in(jax.random.key(seed), state["step"])
-    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch, key)
-    params, opt_state = update(grads, state["opt_state"], state["params"])
+def train_step(state, batch, *, model, run: RunConfig, options):
+    """One step of `run` for `model`, its forward as `options` say: the loss's gradients,
+    AdamW's update (its state on the device or, optimizer_state=host, in host memory:
+    offload/optimizer_state.py), DeepSeek's router bias. The step's key is a function of (seed,
+    step), so a resumed run draws the same bits; the experts' drops are reported apart for
+    each device of the expert axis."""
+    key = jax.random.fold_in(jax.random.key(run.seed), state["step"])
+    loss = partial(loss_fn, model=model, options=options, balance_weight=run.balance_loss_weight,
+                   loss_chunks=run.loss_chunks)
+    (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch, key)
+    clip, adamw = optimizer_parts(run.optimizer, run.steps)
+    if run.optimizer_state == "host":
+        params, opt_state = host_update(grads, state["opt_state"], state["params"], clip, adamw,
+                                        families.of(model).SCANS)
+    else:
+        updates, opt_state = optax.chain(clip, adamw).update(grads, state["opt_state"],
+                                                             state["params"])
+        params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
     if "expert_load" in aux:
-        params = update_router_bias(params, aux["expert_load"], router_bias_rate)
-        metrics |= expert_metrics(aux, expert_devices)
+        params = update_router_bias(params, aux["expert_load"], run.router_bias_rate)
+        metrics |= expert_metrics(aux, run.mesh.expert)
         metrics["balance_loss"] = aux["balance_loss"].mean()
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
