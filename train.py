@@ -56,8 +56,9 @@ def train(setup: Setup, target: Target) -> dict:
         run_dir = report.RunDir.create(setup)  # only now: a run that never starts writes nothing
         run_dir.write("config.json", report.config_record(setup, program))
         report.say("\n".join(header.lines(setup, program, readings, run_dir, done + 1)))
-        log = report.StepLog(setup, readings, run_dir, report.tensorboard(run_dir, run),
-                             program.batch_size * run.seq, first_step=done + 1)
+        tensorboard = report.tensorboard(run_dir, run)  # its folder: process 0, if asked for
+        log = report.StepLog(setup, readings, run_dir, tensorboard, program.batch_size * run.seq,
+                             first_step=done + 1)
         saver = checkpoints.Saver(run_dir.checkpoints, run.keep, run.checkpoint_every)
         try:
             last = loop(program, setup, state, done, log, saver, stop)
