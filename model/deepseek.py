@@ -87,7 +87,7 @@ def _rope(x, cos, sin, interleave: bool):
     return apply_rope(x, cos, sin)
 
 
-def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention=None):
+def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention: str = "xla"):
     """Multi-head latent attention as the reference computes it: [B, T, D] -> [B, T, D]."""
     if cfg.q_lora_rank is None:
         q = einsum("btd,dnh->btnh", x, w["wq"])
@@ -195,18 +195,31 @@ def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = N
                                 "expert_dropped": dropped}
 
 
-def block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention=None, expert_path=None,
-          parallel=None):
-    """One layer, x [B, T, D] -> (x', stats): MLA, then a dense SwiGLU (stats None) or, given an
-    `expert_path`, the MoE (stats as `moe` gives them)."""
+def attention_block(x, w, cfg: DeepSeekConfig, cos, sin, rules, attention: str):
+    """A layer's first half, x [B, T, D] -> x + MLA(norm(x))."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        x = constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules, ("batch", "seq", None))
-    with jax.named_scope("mlp" if expert_path is None else "moe"):
+        return constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules,
+                         ("batch", "seq", None))
+
+
+def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention: str = "xla"):
+    """One dense layer, x [B, T, D] -> x': MLA, then a SwiGLU."""
+    x = attention_block(x, w, cfg, cos, sin, rules, attention)
+    with jax.named_scope("mlp"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-        out, stats = ((swiglu(h, w), None) if expert_path is None
-                      else moe(h, w, cfg, expert_path, rules, parallel))
+        return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
+
+
+def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention: str = "xla",
+              experts: str = "sorted", parallel: ExpertParallel | None = None):
+    """One MoE layer, x [B, T, D] -> (x', stats): MLA, then the routed and shared experts
+    (`moe`: its statistics)."""
+    x = attention_block(x, w, cfg, cos, sin, rules, attention)
+    with jax.named_scope("moe"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        out, stats = moe(h, w, cfg, experts, rules, parallel)
         return constrain(x + out, rules, ("batch", "seq", None)), stats
 
 
@@ -231,14 +244,14 @@ def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None
     def dense_layer(x, inputs):
         w, layer_key = inputs
         w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
-        return block(x, w, cfg, cos, sin, rules, options.attention)
+        return dense_block(x, w, cfg, cos, sin, rules, options.attention), None
 
     def moe_layer(x, inputs):
         w, layer_key = inputs
         router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as the reference routes
         w = {**layer_weights(w, dtype, quantization, UNQUANTIZED, layer_key, rules), **router}
-        return block(x, w, cfg, cos, sin, rules, options.attention, options.experts or "sorted",
-                     options.expert_parallel)
+        return moe_block(x, w, cfg, cos, sin, rules, options.attention, options.experts,
+                         options.expert_parallel)
 
     keys = layer_keys(key, quantization, cfg.n_layers)
     n_dense = cfg.n_dense_layers

@@ -81,12 +81,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None,
-                     implementation: str | None = None):
+                     implementation: str = "xla"):
     """softmax(q k^T * scale) v, causal (scale 1/sqrt(H) by default); q [B,T,N,H], k [B,S,K,H],
     v [B,S,K,H'] with H' <= H. Query head n reads kv head n // (N/K), the reference's
     repeat-interleave GQA mapping; the softmax runs in fp32. `implementation="cudnn"` (GPUs,
     bf16) is cuDNN's fused flash kernel, which takes a narrower v as it is (docs/model.md);
-    None is XLA's path, which wants one head dim: a narrower v is padded with zero columns,
+    "xla" is XLA's path, which wants one head dim: a narrower v is padded with zero columns,
     whose outputs are zero and sliced off."""
     if implementation == "cudnn":
         # JAX 0.12's public dot_product_attention refuses H' != H before reaching this

@@ -37,7 +37,8 @@ def param_specs(cfg: LlamaConfig) -> dict:
             "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5)}
 
 
-def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None, attention=None):
+def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None,
+          attention: str = "xla"):
     """One decoder layer: x [B, T, D] -> [B, T, D]. `w` holds this layer's weights."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):

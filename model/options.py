@@ -17,21 +17,20 @@ class ForwardOptions:
     dtype: str = "float32"  # activations and matmuls; weights are cast per layer
     policies: tuple[tuple[str, Callable], ...] = ()  # (scan, jax.checkpoint policy); none: none
     rules: AxisRules | None = None  # None: traced for one device, no sharding constraints
-    attention: str | None = None  # None: XLA's; "cudnn": cuDNN's fused kernel (GPUs)
+    attention: str = "xla"  # XLA's; "cudnn": cuDNN's fused kernel (GPUs)
     quantization: Quantization | None = None  # the layer matrices' GEMMs in NVFP4
-    experts: str | None = None  # routed experts without an expert axis: "sorted" or "dense"
+    experts: str = "sorted"  # routed experts without an expert axis: "sorted" or "dense"
     expert_parallel: ExpertParallel | None = None  # routed experts split over an expert axis
 
     def policy(self, scan: str) -> Callable | None:
         """The checkpoint policy of each layer of `scan` (None: no checkpointing)."""
         return dict(self.policies).get(scan)
 
-    def describe(self) -> str:
-        """The kernels, NVFP4 and experts, for a run's header."""
-        words = [f"attention {self.attention or 'xla'}",
+    def describe(self, routed_experts: bool) -> str:
+        """The kernels, NVFP4 and (a model with `routed_experts`) experts, for a run's header."""
+        words = [f"attention {self.attention}",
                  self.quantization.describe() if self.quantization else "weights unquantized"]
-        if self.expert_parallel:
-            words.append(self.expert_parallel.describe())
-        elif self.experts:
-            words.append(f"experts {self.experts}")
+        if routed_experts:
+            words.append(self.expert_parallel.describe() if self.expert_parallel
+                         else f"experts {self.experts}")
         return ", ".join(words)

@@ -87,7 +87,8 @@ def compile(name: str, args: list[str]) -> None:
           f"{header.model_line(setup.model)}; in {row.program.compile_s:.1f} s")
     deviceless = " ".join(f"{k}={v}" for k, v in DEVICELESS.items())
     print(f"xla flags: {header.flags_line(run, target)} (compile-only devices also set "
-          f"{deviceless}: study/compile_only.py); kernels: {row.program.options.describe()}")
+          f"{deviceless}: study/compile_only.py); kernels: "
+          f"{row.program.options.describe(hasattr(row.program.model, 'n_experts'))}")
     print("\n".join(plans.plan_lines(name, run, gpu, row.full_plan)))
     compiled = row.compiled_memory()
     print("\n".join(plans.compiled_lines(compiled, row.full_plan, gpu, row.arrived)))

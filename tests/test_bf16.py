@@ -22,12 +22,12 @@ from model.options import ForwardOptions
 
 U = 2.0**-8
 FIXTURE_NAMES = ["llama_gqa", "llama_sharded", "deepseek_yarn", "deepseek_halfrot"]
-CASES = [("llama_gqa", None), ("llama_sharded", None)] + [
+CASES = [("llama_gqa", "sorted"), ("llama_sharded", "sorted")] + [
     (fixture, path) for fixture in ("deepseek_yarn", "deepseek_halfrot")
     for path in deepseek.EXPERT_PATHS]
 
 
-def bf16_forward(fixture, expert_path=None):
+def bf16_forward(fixture, expert_path="sorted"):
     """The project's bf16 logits for the fixture's tokens and HF's expected.npz."""
     cfg, params = load_checkpoint(FIXTURES / fixture)
     expected = np.load(FIXTURES / fixture / "expected.npz")

@@ -19,7 +19,7 @@ from model.layers import rope_frequencies, yarn_frequencies
 from model.params import abstract_params, param_count
 from trainer.step import cross_entropy, loss_fn
 
-HF_CASES = [("llama_gqa", None), ("llama_sharded", None)] + [
+HF_CASES = [("llama_gqa", "sorted"), ("llama_sharded", "sorted")] + [
     (fixture, path) for fixture in ("deepseek_yarn", "deepseek_halfrot")
     for path in deepseek.EXPERT_PATHS]
 

@@ -36,17 +36,16 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
     if attention == "auto":
         fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
         attention = "cudnn" if fused else "xla"
-    experts, parallel = None, None
+    experts = run.expert_path
+    if experts == "auto":
+        experts = "dense" if target.platform == "cpu" else "sorted"
     # A capacity asks for the experts in blocks, one device's too (a fit of an expert row on
     # fewer GPUs than its expert degree): XLA expands a ragged_dot per expert (docs/model.md).
+    parallel = None
     if hasattr(model, "n_experts") and (run.mesh.expert > 1 or run.expert_capacity):
         parallel = ExpertParallel(run.mesh.expert, run.expert_capacity)
-    elif hasattr(model, "n_experts"):
-        auto = "dense" if target.platform == "cpu" else "sorted"
-        experts = auto if run.expert_path == "auto" else run.expert_path
     policies = tuple((s, activations.checkpoint_policy(t)) for s, t in (placement or {}).items())
-    return ForwardOptions(run.compute_dtype, policies, rules,
-                          None if attention == "xla" else attention,
+    return ForwardOptions(run.compute_dtype, policies, rules, attention,
                           quantization(run, target), experts, parallel)
 
 
