@@ -36,12 +36,10 @@ class Setup:
     fit: fits.Fit | None  # at fit scale: what it reduced and measured (a resume: recorded)
 
 
-def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str,
-                 devices: tuple):
-    """(scale, why). Full scale needs exactly the accelerators of the (overridden) full mesh;
+def choose_scale(name: str, model, run: configs.RunConfig, requested: str, devices: tuple):
+    """(scale, why). Full scale needs exactly the accelerators of the full-scale run's mesh;
     GPUs that do not cover it run its layers at fit scale, a CPU its proxy (or, asked for, a
     fit within fit_memory)."""
-    model, run = configs.apply_overrides(*experiment.at_scale("full"), overrides)
     if bad := [line for line in configs.out_of_range(model, run) if line.startswith("mesh.")]:
         raise ConfigError("; ".join(bad))  # the count of devices below needs the mesh sound
     mesh, platform = run.mesh, devices[0].platform
@@ -51,7 +49,7 @@ def choose_scale(experiment: configs.Experiment, overrides: dict, requested: str
         len(devices) == need if need else len(devices) % (mesh.data * mesh.expert) == 0)
     count = need or f"a multiple of {mesh.data * mesh.expert}"
     if requested == "full" and not enough:
-        raise ConfigError(f"{experiment.name} at full scale needs {count} accelerators (mesh "
+        raise ConfigError(f"{name} at full scale needs {count} accelerators (mesh "
                           f"data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert}); this "
                           f"machine has {have}")
     if requested == "fit" and platform != "gpu" and not run.fit_memory:
@@ -76,8 +74,9 @@ def fit_mesh(model, mesh: configs.MeshConfig, devices: int) -> configs.MeshConfi
 
 
 def at_scale(experiment: configs.Experiment, scale: str, overrides: dict, devices: int):
-    """(model, run) of `experiment` at `scale` with the overrides; a fit's on this machine's
-    mesh, its micro batch per device kept (global_batch follows the device count)."""
+    """(model, run) of `experiment` at `scale` (not full: resolve has it) with the overrides;
+    a fit's on this machine's mesh, its micro batch per device kept (global_batch follows the
+    device count)."""
     model, run = experiment.at_scale(scale)
     if scale == "fit":
         run = dataclasses.replace(run, mesh=fit_mesh(model, run.mesh, devices), global_batch=0)
@@ -94,9 +93,12 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     requested = overrides.get("scale", experiment.run.scale)
     if requested not in configs.SCALES:
         raise ConfigError(f"scale={requested!r}: choose one of {', '.join(configs.SCALES)}")
+    # The full-scale settings decide the scale (their mesh); another scale has its own base.
+    model, run = configs.apply_overrides(*experiment.at_scale("full"), overrides)
     scale, why = (("full", "asked for its GPUs") if full
-                  else choose_scale(experiment, overrides, requested, devices))
-    model, run = at_scale(experiment, scale, overrides, len(devices))
+                  else choose_scale(name, model, run, requested, devices))
+    if scale != "full":
+        model, run = at_scale(experiment, scale, overrides, len(devices))
     if run.fit_memory and scale != "fit":
         raise ConfigError(f"fit_memory={run.fit_memory:g} is the fit scale's budget; this run "
                           f"is at {scale} scale ({why})")
@@ -104,7 +106,8 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     if scale == "fit" and run.resume:  # the fit the checkpoint was trained at, not searched
         recorded = fits.Fit(checkpoints.recorded_fit(run.resume, run.out_dir, f"{name}-fit"),
                             model, recorded=True)
-        model, run = at_scale(experiment, scale, {**recorded.words, **overrides}, len(devices))
+        model, run = configs.apply_overrides(model, run, {
+            k: v for k, v in recorded.words.items() if k not in overrides})
     if scale == "fit" and run.init_from:
         raise ConfigError("init_from at fit scale: the fit trains fewer layers than the "
                           "checkpoint holds (scale=full, or a model of its size)")
