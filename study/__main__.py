@@ -5,7 +5,7 @@
                                                         GPUs (device=...) without a GPU, the
                                                         step replayed from the schedule
     python -m study search EXPERIMENT [key=value ...]   placements ranked by predicted memory
-                                                        and step time (search_report.py)
+                                                        and step time (search/placements.py)
     python -m study fit [ROW ...] [device=KIND] [gpus=N]    how many of each row's layers
                                                         fit 1-8 GPUs (the fit scale)
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]   every row replayed vs the study
@@ -30,8 +30,11 @@ from data.tokens import DataError
 from hf.safetensors import CheckpointError
 from trainer.target import this_machine
 
-ROWS = ("plan", "compile", "search")  # modes that take one experiment (or a comparison)
-TOOLS = ("fit", "step-times", "compile-table", "bench", "checkpoint-bench", "gpu-check")
+ROWS = ("plan", "compile", "search")  # modes that take one experiment (or a comparison): cli.py
+# The other modes: each a module with its own main(argv), imported only when asked for.
+TOOLS = {"fit": "study.compiling.fit_table", "step-times": "study.compiling.step_times",
+         "compile-table": "study.compiling.compile_table", "bench": "study.bench.proxy_step",
+         "checkpoint-bench": "study.bench.checkpoint_costs", "gpu-check": "study.bench.gpu_check"}
 
 
 def main(argv: list[str]) -> int:
@@ -41,8 +44,8 @@ def main(argv: list[str]) -> int:
     mode, rest = argv[0], argv[1:]
     try:
         if mode in TOOLS:
-            import importlib  # each tool is a module with its own main(argv)
-            return importlib.import_module(f"study.{mode.replace('-', '_')}").main(rest)
+            import importlib
+            return importlib.import_module(TOOLS[mode]).main(rest)
         if mode not in ROWS:
             raise ConfigError(f"unknown study mode {mode!r}; the modes are "
                               f"{', '.join([*ROWS, *TOOLS])}")

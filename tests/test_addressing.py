@@ -1,5 +1,5 @@
 """The compiled GPU program reads each offloaded activation back from the bytes the forward
-pass wrote it to (study/addressing.py): proved for the pinned jax on a small scanned stack
+pass wrote it to (study/programs/addressing.py): proved for the pinned jax on a small scanned stack
 compiled for a GPU, refuted on the optimized HLO jax 0.10.2 compiled for the same program
 (committed), and each half of the proof (the index the loop passes, XLA's descriptor) shown
 able to fail on hand-written programs whose addresses are computed by hand."""
@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import pytest
 
 import configs
-from study import plan
+from study.plan import printed
 from configs import ConfigError
-from study.compile_only import compile_only
-from study.gpus import GPUS
-from study import addressing, memory, offload_proof
-from study.jaxpr import Tagged
+from study.hardware.compile_only import compile_only
+from study.hardware.gpus import GPUS
+from study.plan import memory_plan
+from study.programs import addressing, offload_proof
+from study.programs.jaxpr import Tagged
 from tools import offload_probe
 from runtime import backend, setup as runtime_setup
 from runtime.own_program import CompiledMemory
@@ -296,14 +297,14 @@ def test_the_study_reports_a_step_that_reads_the_wrong_bytes():
     reported as such, never as checked."""
     (wrong,) = addressing.prove((FIXTURES / "jax-0.10.2.hlo").read_text())
     value = Tagged("query_proj", (256, 512), jnp.dtype(jnp.float32), 4, "layers")
-    lines = [memory.TagLine(value, "offload", True, True, True, wrong)]
-    (problem,) = plan.addressing_problems(lines)
+    lines = [memory_plan.TagLine(value, "offload", True, True, True, wrong)]
+    (problem,) = printed.addressing_problems(lines)
     assert problem.startswith("layers query_proj: addressing WRONG: read 0")
-    assert "openxla/xla #46231" in problem and plan.placement_lines(lines)[-1] == problem
+    assert "openxla/xla #46231" in problem and printed.placement_lines(lines)[-1] == problem
     (unverified,) = addressing.prove(hand_written(trip=""))
-    lines = [memory.TagLine(value, "offload", True, True, True, unverified)]
-    assert plan.placement_lines(lines)[-1] == ("layers query_proj: addressing CANNOT VERIFY: "
-                                               "loop bwd has no known trip count")
+    lines = [memory_plan.TagLine(value, "offload", True, True, True, unverified)]
+    assert printed.placement_lines(lines)[-1] == ("layers query_proj: addressing CANNOT VERIFY: "
+                                                  "loop bwd has no known trip count")
 
 
 def _reads_walking_forward(policy, weights, x):

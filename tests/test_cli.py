@@ -247,7 +247,7 @@ def test_output_folder_is_checked_before_compiling(tmp_path, capsys, monkeypatch
 
     for name in ("compile_row", "compile_only"):
         monkeypatch.setattr(study_cli, name, never)
-    monkeypatch.setattr(study_cli.search_report, "run_search", never)
+    monkeypatch.setattr(study_cli.placements, "run_search", never)
     for mode in ("compile", "search"):
         for out_dir in (a_file, a_file / "sub"):
             code = study_main([mode, "llama405b-offload", f"out_dir={out_dir}"])

@@ -16,12 +16,15 @@ import jax.numpy as jnp
 import pytest
 
 import configs
-from study import addressing, fit as study_fit, hlo, predicted, replay
-from study.hlo import parse_module
-from study.traced_step import TracedStep
-from study.compile_only import DEVICELESS, CompileOnly, compile_only, kernel_checks, pool_bytes
-from study.compiled import CompiledRow, compile_row
-from study.gpus import GPUS, gpu_of
+from study.compiling import fit_table
+from study.programs import addressing, hlo
+from study.timing import predicted_step, replay
+from study.programs.hlo import parse_module
+from study.plan.traced_step import TracedStep
+from study.hardware.compile_only import (DEVICELESS, CompileOnly, compile_only, kernel_checks,
+                                         pool_bytes)
+from study.compiling.compiled_row import CompiledRow, compile_row
+from study.hardware.gpus import GPUS, gpu_of
 from configs import PIPELINED
 
 from model.config import DeepSeekConfig
@@ -64,7 +67,7 @@ IN_HOST_MEMORY = {
     "shakespeare": set(),  # its activations kept on the device (preset minimal)
 }
 # The DeepSeek rows whose memory the study gives compile at full depth and must fit in it.
-# (All rows at full depth: study/compile_table.py, a few minutes here.)
+# (All rows at full depth: study/compiling/compile_table.py, a few minutes here.)
 FULL_DEPTH = {"deepseek671b-offload", "deepseek671b-offload-nolhs"}
 # Latency hiding on and off (assert_scheduled).
 LHS_ROWS = {"deepseek671b-offload": True, "deepseek671b-offload-nolhs": False}
@@ -90,7 +93,8 @@ def gpus(name: str, count: int) -> trainer_target.Target:
 def built_as_a_gpu_run(name: str, overrides: list[str], device: str = "") -> CompiledRow:
     """What `python train.py NAME ...` does on the experiment's own GPUs (or `device`s) up to
     its first step: resolve against the devices there, then build; with the full-scale plan
-    and this run's placement list read off the compiled program (study/compiled.py)."""
+    and this run's placement list read off the compiled program
+    (study/compiling/compiled_row.py)."""
     run, gpu = configs.get(name).run, gpu_of(name, device)
     target = gpus(gpu.name, run.mesh.devices)
     setup = runtime_setup.resolve(name, overrides, target.devices)
@@ -210,8 +214,8 @@ def test_every_row_compiles_for_its_gpus_as_a_gpu_run_would(name):
         assert {(q[-1], k[-1], v[-1]) for q, k, v in attention} == {
             (qk, qk, experiment.model.v_head_dim)}
     if family == "deepseek":  # each expert exchange over one expert group, in one NVLink domain
-        found = predicted.exchange_groups(module, gpu_of(name),
-                                          [d.id for d in row.mesh.devices.flat])["expert"]
+        found = predicted_step.exchange_groups(module, gpu_of(name),
+                                               [d.id for d in row.mesh.devices.flat])["expert"]
         assert found["count"] and found["sizes"] == [experiment.run.mesh.expert] == [8]
         assert not found["crossing"]
     if name in LHS_ROWS:
@@ -283,9 +287,9 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     """What a run on 8 H200s does before its first step, on compile-only devices: the step
     compiled with the run's own kernels and flags, beside the full-scale plan (traced with
     kernels every backend has, so it needs no device) and its placement list read off the
-    compiled program (study/compiled.py), and its header. With one layer, JAX's export still
-    annotates Q/K/V for pinned host memory while XLA keeps them on the device: the list and
-    the header say so."""
+    compiled program (study/compiling/compiled_row.py), and its header. With one layer, JAX's
+    export still annotates Q/K/V for pinned host memory while XLA keeps them on the device: the
+    list and the header say so."""
     overrides = ["model.n_layers=1", f"out_dir={tmp_path}"]
     row = built_as_a_gpu_run("llama8b-offload", overrides, device="h200")
     built = row.program
@@ -297,7 +301,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     # the traced step's own offloads
     assert {tag for tag in own_program.offloaded(built.traced.jaxpr)} == asked
     setup = row.setup
-    # A real H200's pool (XLA's allocator limit) is what study/compile_only.py plans against.
+    # A real H200's pool (XLA's allocator limit) is what study/hardware/compile_only.py plans
+    # against.
     monkeypatch.setattr(CompileOnly, "pool_bytes", lambda self: pool_bytes(GPUS["h200"]))
     print("\n".join(header.lines(setup, built, own_program.read(built),
                                   report.RunDir(tmp_path, tmp_path / "ckpt"), first_step=1)))
@@ -312,7 +317,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     assert "offloaded, per layer and device, in this run's compiled program:" in out
     assert out.count("NOT in host memory in the compiled program") == 3
 
-    # study/compile_only.py's DEVICELESS (XLA's autotuning off where no device times kernels):
+    # study/hardware/compile_only.py's DEVICELESS (XLA's autotuning off where no device times
+    # kernels):
     # the same instructions in the same order, memory and host buffers as XLA's default
     # compile of the same step; only kernel configs differ.
     with kernel_checks(built.target):
@@ -517,7 +523,8 @@ def test_the_replay_of_a_compiled_step_counts_the_dot_flops_of_its_trace():
     assert 0 < result.gemm_s < result.step_s
 
 
-# The fit scale on GPUs this machine lacks (study/fit.py: the trainer's search, compile-only):
+# The fit scale on GPUs this machine lacks (study/compiling/fit_table.py: the trainer's search,
+# compile-only):
 # a 405B row on one H200 (its state moved to host memory: 10.6B parameters at 2 layers with
 # their gradients and AdamW moments are 169 GB, above the pool) and a DeepSeek row.
 FITS = {("llama405b-offload", "h200", 1): {"optimizer_state": "host"},
@@ -532,7 +539,7 @@ def test_a_fit_compiles_for_its_gpus_within_its_budget_with_the_rows_tensors_in_
     within the budget a run there has, one more layer's not (where there is one to add), the
     reductions the row needs there, and the row's offloaded tensors in host memory, each read
     back from the bytes it was written to."""
-    fit, row = study_fit.fitted(name, [], GPUS[gpu], count)
+    fit, row = fit_table.fitted(name, [], GPUS[gpu], count)
     assert fit.budget.fits(row.compiled_memory()) and fit.memory == row.compiled_memory()
     assert fit.over is None or not fit.budget.fits(fit.over)
     layers = ("model.n_layers", "model.n_dense_layers")

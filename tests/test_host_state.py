@@ -9,9 +9,10 @@ import pytest
 
 import configs
 from conftest import start_state
-from study.gpus import gpu_of
-from study import plan, search
-from study.search_report import placement_text
+from study.hardware.gpus import gpu_of
+from study.plan import memory_plan
+from study.search import ranking
+from study.search.placements import placement_text
 from model import families
 from model.params import abstract_params, param_count
 from runtime import setup as runtime_setup
@@ -61,10 +62,10 @@ def test_70b_on_one_h200_host_fits_only_with_the_state_on_host():
     twice."""
     experiment = configs.get("llama70b-8xh200")
     tables = runtime_setup.resolve_placement(experiment.model, experiment.run)
-    on_host = plan.full_scale(experiment, gpu_of(experiment.name), tables)
+    on_host = memory_plan.full_scale(experiment, gpu_of(experiment.name), tables)
     device_run = dataclasses.replace(experiment.run, optimizer_state="device")
-    on_device = plan.full_scale(dataclasses.replace(experiment, run=device_run),
-                                gpu_of(experiment.name), tables)
+    on_device = memory_plan.full_scale(dataclasses.replace(experiment, run=device_run),
+                                       gpu_of(experiment.name), tables)
     specs = families.of(experiment.model).param_specs(experiment.model)
     moments = 2 * 4 * param_count(specs) / 8
     assert on_host.optimizer == on_device.optimizer == pytest.approx(moments, abs=64)
@@ -78,12 +79,12 @@ def test_70b_on_one_h200_host_fits_only_with_the_state_on_host():
 def test_the_search_weighs_the_state_placement():
     """The same tables with the state on host: its bytes leave the device for the host (held
     twice there, or beside the activations), and its transfer each way is added, exposed."""
-    scan = search.Scan("layers", 4, (search.Tag("decoder_layer_input", 10, 0, 0, 0),
-                                     search.Tag("query_proj", 30, 0.2, 1e9, 0)),
-                       4e12, 8e12, 1e12, 0, 0, 100)
-    work = search.Workload(1, (scan,), 0.0, 1000, 1e13, state_bytes=400)
-    hw = search.Hardware("test", 1e15, 1e11, 1e2, 8, 10**6, 10**6)
-    found = search.search({1: work}, hw, [search.Schedule(True)])
+    scan = ranking.Scan("layers", 4, (ranking.Tag("decoder_layer_input", 10, 0, 0, 0),
+                                      ranking.Tag("query_proj", 30, 0.2, 1e9, 0)),
+                        4e12, 8e12, 1e12, 0, 0, 100)
+    work = ranking.Workload(1, (scan,), 0.0, 1000, 1e13, state_bytes=400)
+    hw = ranking.Hardware("test", 1e15, 1e11, 1e2, 8, 10**6, 10**6)
+    found = ranking.search({1: work}, hw, [ranking.Schedule(True)])
     by_state = {}
     for p in found:
         by_state.setdefault((p.candidate.tables, p.candidate.optimizer_state), p)
@@ -95,7 +96,7 @@ def test_the_search_weighs_the_state_placement():
         assert p.host_bytes == 400 + max(twin.host_bytes, 400)
         assert p.step_s - twin.step_s == pytest.approx(400 / 1e2)
     assert "AdamW moments on host" in placement_text(p.candidate, ["layers"])
-    assert "optimizer_state=host" in search.overrides(p.candidate, ["layers"])
+    assert "optimizer_state=host" in ranking.overrides(p.candidate, ["layers"])
 
 
 def test_bad_state_placements_are_one_line(tmp_path, capsys):

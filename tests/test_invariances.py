@@ -11,9 +11,10 @@ import pytest
 from jax import export
 
 import configs
-from study import memory, offload_proof
-from study.jaxpr import tagged_values
-from study.traced_step import freeze, traced_step
+from study.plan import memory_plan
+from study.programs import offload_proof
+from study.programs.jaxpr import tagged_values
+from study.plan.traced_step import freeze, traced_step
 from conftest import (TINY_DEEPSEEK, TINY_LLAMA, assert_trees_close, one_device_params,
                       tokens)
 from model import deepseek, families, llama
@@ -141,7 +142,7 @@ def test_the_exported_program_offloads_exactly_the_table(name, preset, changes):
     for model, run, mesh in [(experiment.model, experiment.run,
                               experiment.run.mesh.shape(experiment.run.mesh.devices)),
                              (proxy_model, proxy_run, (1, 8, 1))]:
-        lines = memory.tag_lines(traced_step(model, run, mesh), tables)
+        lines = memory_plan.tag_lines(traced_step(model, run, mesh), tables)
         assert {(x.value.scan, x.value.tag) for x in lines if x.offloaded} == wanted
         assert {x.value.tag for x in lines if not x.needed} == NEVER_NEEDED
 

@@ -1,6 +1,6 @@
-"""Each term of the static memory plan (study/memory.py) against the GPU program XLA compiles
-for it, in a small configuration where that term is by far the largest: compile-only GPUs, as
-`python -m study compile NAME` builds them (tests/test_gpu_compile.py compares whole rows).
+"""Each term of the static memory plan (study/plan/memory_plan.py) against the GPU program XLA
+compiles for it, in a small configuration where that term is by far the largest: compile-only
+GPUs, as `python -m study compile NAME` builds them (tests/test_gpu_compile.py compares whole rows).
 
 Per-layer terms are compared by what more layers add: at 8 and 16 layers, the compiled
 program's arguments, temporaries and host buffers against the plan's state, gradients,
@@ -19,9 +19,9 @@ import pytest
 
 from offload.optimizer_state import per_device_bytes
 from runtime.own_program import CompiledMemory
-from study import memory
-from study.cli import study_setup
-from study.compiled import compile_row
+from study.plan import memory_plan
+from study.command_line import study_setup
+from study.compiling.compiled_row import compile_row
 from test_gpu_compile import gpus
 
 pytestmark = pytest.mark.gpu_compile
@@ -53,7 +53,7 @@ LM_HEAD = ("the plan has no term for the LM head's backward: in each loss chunk 
 
 
 class Step(typing.NamedTuple):
-    plan: memory.MemoryPlan
+    plan: memory_plan.MemoryPlan
     compiled: CompiledMemory
     inputs: int  # the device's arguments besides the planned state: its batch, step counts
     arrived: int  # the host optimizer state the compile-only program took as device arguments
@@ -76,7 +76,7 @@ def compiled_step(name: str, overrides: tuple[str, ...]) -> Step:
 # Per configuration, the figures compared and the plan's term that is most of each. (One test
 # per configuration: its two compiles are made once, on one worker.)
 FIGURE_TERMS = {
-    # Temporaries: with the stacked weights XLA copies for FSDP (memory.transposed_weights).
+    # Temporaries: with the stacked weights XLA copies for FSDP (memory_plan.transposed_weights).
     "state over 8 devices": [("arguments", "optimizer"), ("temporaries", "grads")],
     "gradients on one device": [("temporaries", "grads")],
     "long sequences on one device": [("temporaries", "device_activations"),

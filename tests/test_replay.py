@@ -1,4 +1,4 @@
-"""The step-time replay (study/replay.py) on small hand-written scheduled HLO modules whose
+"""The step-time replay (study/timing/replay.py) on small hand-written scheduled HLO modules whose
 timelines follow by hand from the GPU's figures, and on a compiled program against the dot
 FLOPs of its trace."""
 
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from study import hlo, predicted, replay
-from study.gpus import GPUS
+from study.programs import hlo
+from study.timing import predicted_step, replay
+from study.hardware.gpus import GPUS
 
 N = 1 << 20  # elements of the f32 vectors below: 4 MiB each
 MiB = 2**20
@@ -127,15 +128,15 @@ def test_the_compile_output_tells_the_expert_exchanges_inside_one_domain_from_th
     text = ("HloModule m, is_scheduled=true\n\n" + EXCHANGES + f"\nENTRY %main (a: f32[{N}]) "
             f"-> f32[{N}] {{\n" + EXCHANGED.strip() + "\n}\n")
     gpu = dataclasses.replace(GPU, nvlink_domain=8)
-    found = predicted.exchange_groups(hlo.parse_module(text), gpu, list(range(16)))
+    found = predicted_step.exchange_groups(hlo.parse_module(text), gpu, list(range(16)))
     assert found["expert"] == {"count": 1, "sizes": [4], "domain": 8, "crossing": []}
     assert found["resharding"]["count"] == 1 and found["resharding"]["sizes"] == [16]
     assert found["resharding"]["crossing"] == [tuple(range(16))]
     interleaved = [8 * (k % 2) + k // 2 for k in range(16)]
-    crossing = predicted.exchange_groups(hlo.parse_module(text), gpu,
-                                         interleaved)["expert"]["crossing"]
+    crossing = predicted_step.exchange_groups(hlo.parse_module(text), gpu,
+                                              interleaved)["expert"]["crossing"]
     assert len(crossing) == 4 and crossing[0] == (0, 8, 1, 9)
-    assert "each inside one NVLink domain" in predicted.exchange_line(found)
+    assert "each inside one NVLink domain" in predicted_step.exchange_line(found)
 
 
 def expert_exchange(fsdp: int, expert: int) -> str:
@@ -165,8 +166,8 @@ def test_a_group_that_straddles_a_domain_boundary_crosses_it(mesh, crossing):
     than by the domain of each of its devices; the study's sizes (groups of 8 in domains of 64)
     cannot tell these apart."""
     name, fsdp, expert = mesh
-    found = predicted.exchange_groups(module(expert_exchange(fsdp, expert)), GPUS[name],
-                                      list(range(fsdp * expert)))["expert"]
+    found = predicted_step.exchange_groups(module(expert_exchange(fsdp, expert)), GPUS[name],
+                                           list(range(fsdp * expert)))["expert"]
     assert found["crossing"] == crossing
 
 

@@ -1,7 +1,7 @@
 """The placement search's fast model: its memory against the static plan and the study's memory
 facts, its terms on a hand-computed case, its overrides against the table they name. Its step
 times only rank candidates; the replay of compiled programs judges them (tests/test_replay.py,
-study/step_times.py). Every figure comes from the traced full-scale step (abstract
+study/compiling/step_times.py). Every figure comes from the traced full-scale step (abstract
 values: nothing compiled or allocated)."""
 
 import dataclasses
@@ -9,17 +9,18 @@ import dataclasses
 import pytest
 
 import configs
-from study import search_report as ps
+from study.search import placements as ps
 from study.__main__ import main as study_main
-from study.gpus import GPUS, gpu_of
-from study import plan, search
+from study.hardware.gpus import GPUS, gpu_of
+from study.plan import memory_plan
+from study.search import ranking
 from runtime import setup as runtime_setup
 
 
-def predicted(name: str, device: str = "gb200") -> search.Prediction:
+def predicted(name: str, device: str = "gb200") -> ranking.Prediction:
     """A study row as the search predicts it on 128 GPUs of `device`, counted on its trace."""
     row = configs.get(name)
-    tracer = ps.tracer_for(row, gpu_of(row.name))
+    tracer = ps.Tracer(row, gpu_of(row.name))
     hw = ps.hardware(GPUS[device], 128)
     return ps.exact(tracer, ps.row_candidate(tracer, row), hw)
 
@@ -41,7 +42,7 @@ def test_predicted_memory_is_the_static_plans(name):
     tensors more on the device)."""
     row = configs.get(name)
     tables = runtime_setup.resolve_placement(row.model, row.run)
-    planned = plan.full_scale(row, gpu_of(row.name), tables)
+    planned = memory_plan.full_scale(row, gpu_of(row.name), tables)
     assert (planned.pipelined > 0) == (name != "deepseek671b-device-mb8")
     assert predicted(row.name).device_bytes == planned.peak_estimate
 
@@ -49,8 +50,8 @@ def test_predicted_memory_is_the_static_plans(name):
 def test_an_all_to_all_crosses_the_nics_only_for_what_leaves_its_nvlink_domain():
     """Seconds per byte, by hand: 4 GPUs of a domain of 8 send 3/4 of the bytes over NVLink;
     16 GPUs in two domains send 7/16 over NVLink while 8/16 cross the NICs at once."""
-    hw = search.Hardware("x", 1.0, nvlink=100.0, host_link=1.0, devices=16, capacity=0,
-                         host_capacity=0, network=10.0, domain=8)
+    hw = ranking.Hardware("x", 1.0, nvlink=100.0, host_link=1.0, devices=16, capacity=0,
+                          host_capacity=0, network=10.0, domain=8)
     assert hw.all_to_all_s(1) == 0
     assert hw.all_to_all_s(4) == pytest.approx(3 / 4 / 100)
     assert hw.all_to_all_s(16) == pytest.approx(max(7 / 16 / 100, 8 / 16 / 10))
@@ -62,9 +63,9 @@ def test_an_all_to_all_costs_the_group_that_straddles_a_domain_boundary():
     of 16: 64-79 has 8 GPUs on each side, so 7/16 of the bytes over NVLink while 8/16 cross
     the NICs; groups of 8 tile the domains. 24 GPUs in domains of 8, groups of 6: 6-11 has 2
     and 4 (m = 6 // 2 = 3, as the replay takes it): 2/6 over NVLink, 3/6 over the NICs."""
-    def hardware(devices: int, domain: int) -> search.Hardware:
-        return search.Hardware("x", 1.0, nvlink=100.0, host_link=1.0, devices=devices,
-                               capacity=0, host_capacity=0, network=10.0, domain=domain)
+    def hardware(devices: int, domain: int) -> ranking.Hardware:
+        return ranking.Hardware("x", 1.0, nvlink=100.0, host_link=1.0, devices=devices,
+                                capacity=0, host_capacity=0, network=10.0, domain=domain)
 
     assert hardware(144, 72).all_to_all_s(16) == pytest.approx(max(7 / 16 / 100, 8 / 16 / 10))
     assert hardware(144, 72).all_to_all_s(8) == pytest.approx(7 / 8 / 100)
@@ -72,7 +73,7 @@ def test_an_all_to_all_costs_the_group_that_straddles_a_domain_boundary():
 
 
 # (GPU, data, fsdp, expert) -> the degrees searched by default, by hand: every power of two
-# from 2 up to the NVLink domain the devices fill (study/gpus.py: domain_size) that divides
+# from 2 up to the NVLink domain the devices fill (study/hardware/gpus.py: domain_size) that divides
 # the 256 experts and a data replica's devices, and the row's own.
 DEGREES = [(("gb200", 1, 8, 8), [2, 4, 8, 16, 32, 64]),  # 64 GB200s: one domain of 64
            (("gb200", 2, 4, 4), [2, 4, 8, 16]),  # 32 GB200s, 2 replicas of 16
@@ -108,8 +109,8 @@ def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_
     with pytest.raises(configs.ConfigError):
         ps.experts_of(configs.get("llama405b-offload"), GPUS["gb200"], "2")
     tables = {"dense_layers": {"mlpwi_0": "offload"}, "moe_layers": {"moe_mlpwi_0": "device"}}
-    candidate = search.make_candidate(4, tables, search.Schedule(True), mesh=(1, 32, 4))
-    setup = runtime_setup.resolve(row.name, search.overrides(candidate, list(tables)),
+    candidate = ranking.make_candidate(4, tables, ranking.Schedule(True), mesh=(1, 32, 4))
+    setup = runtime_setup.resolve(row.name, ranking.overrides(candidate, list(tables)),
                                   full=True)
     assert setup.run.mesh.shape(128) == (1, 32, 4) and setup.run.per_device_batch == 4
     assert setup.placement == tables
@@ -124,24 +125,24 @@ def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
     assert best.tflops >= max(p.tflops for p in result.rows  # rows searched alike: mb 2
                               if p.fits and p.candidate.batch == 2)
     # The leader's recompute summed per tag equals its own trace's count.
-    estimate = search.predict(best.candidate, ps.tracer_for(row, gpu_of(row.name)).workload(2),
-                              result.hw)
+    estimate = ranking.predict(best.candidate, ps.Tracer(row, gpu_of(row.name)).workload(2),
+                               result.hw)
     assert estimate.step_s == pytest.approx(best.step_s, rel=1e-9)
     setup = runtime_setup.resolve(row.name, ps.run_overrides(best, row.model), full=True)
     assert setup.placement == {"layers": best.candidate.table("layers")}
 
 
 def test_a_late_tag_waits_for_the_link_unless_pipelined():
-    tag = search.Tag("late", nbytes=10, position=0.9, saved_flops=0, saved_exchange=0)
-    scan = search.Scan("s", 1, (search.Tag("in", 1, 0, 0, 0), tag), forward_flops=10,
-                       backward_flops=20, remat_flops=0, exchange=0, remat_exchange=0,
-                       weight_bytes=0)
-    hw = search.Hardware("x", rate=1.0, nvlink=1.0, host_link=1.0, devices=2, capacity=100,
-                         host_capacity=100)
+    tag = ranking.Tag("late", nbytes=10, position=0.9, saved_flops=0, saved_exchange=0)
+    scan = ranking.Scan("s", 1, (ranking.Tag("in", 1, 0, 0, 0), tag), forward_flops=10,
+                        backward_flops=20, remat_flops=0, exchange=0, remat_exchange=0,
+                        weight_bytes=0)
+    hw = ranking.Hardware("x", rate=1.0, nvlink=1.0, host_link=1.0, devices=2, capacity=100,
+                          host_capacity=100)
     table = {"late": "offload"}
-    plain = search.scan_terms(scan, table, search.Schedule(True), hw, (0, 0))
-    piped = search.scan_terms(scan, table, search.Schedule(True, True), hw, (0, 0))
-    off = search.scan_terms(scan, table, search.Schedule(False), hw, (0, 0))
+    plain = ranking.scan_terms(scan, table, ranking.Schedule(True), hw, (0, 0))
+    piped = ranking.scan_terms(scan, table, ranking.Schedule(True, True), hw, (0, 0))
+    off = ranking.scan_terms(scan, table, ranking.Schedule(False), hw, (0, 0))
     # Forward: ready at 9 s of 10, 10 s to copy: 9 s late. Backward: needed 2 s in, 8 s late.
     assert plain.host_s == pytest.approx(9 + 8)
     assert piped.host_s == 0 and piped.prefetch == 10

@@ -2,16 +2,21 @@
 memory figures the model code must give, which DeepSeek rows fit; every registered experiment
 sound at both scales. tests/test_gpu_compile.py checks the compiled programs against these."""
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 
 import configs
-from study import memory, plan
-from study.traced_step import TracedStep
+from study.plan import memory_plan
+from study.plan import traced_step as traced_step_module
+from study.plan.traced_step import TracedStep
+from study.programs import jaxpr
+from study.search import placements
 from study.__main__ import main as study_main
-from study.compile_only import pool_bytes
-from study.gpus import EXPERIMENT_GPUS, GPUS, gpu_of
+from study.hardware.compile_only import pool_bytes
+from study.hardware.gpus import EXPERIMENT_GPUS, GPUS, gpu_of
 from conftest import TINY_DEEPSEEK
 from model import deepseek, families, llama
 from offload import activations
@@ -19,6 +24,9 @@ from runtime import backend
 from runtime.setup import resolve_placement
 
 MiB, GiB = 2**20, 2**30
+STUDY = Path(__file__).resolve().parent.parent / "study"
+# The functools caches of study/ that keep no trace: compile-only devices, and arithmetic.
+NOT_TRACES = {("hardware/compile_only.py", "compile_only"), ("search/ranking.py", "all_to_all_s")}
 # What each row offloads, from the study's text (not from the presets): Q, K and V in the
 # Llama offload rows; in DeepSeek's the MLA query and key/value projection intermediates
 # (MaxText's names for them: the JAX-Toolbox recipe's) and the routed experts'
@@ -31,10 +39,10 @@ DEEPSEEK_OFFLOADED = {"dense_layers": {"mlpwi_0", "mlpwi_1", "mlpwo"},
 STUDY_MEMORY_GIB = {"deepseek671b-offload": 165.2, "deepseek671b-offload-nolhs": 145.6}
 
 
-def full_plan(name: str) -> memory.MemoryPlan:
+def full_plan(name: str) -> memory_plan.MemoryPlan:
     experiment = configs.get(name)
-    return plan.full_scale(experiment, gpu_of(experiment.name),
-                           resolve_placement(experiment.model, experiment.run))
+    return memory_plan.full_scale(experiment, gpu_of(experiment.name),
+                                  resolve_placement(experiment.model, experiment.run))
 
 
 def test_the_llama_rows_offload_q_k_and_v():
@@ -95,7 +103,8 @@ def test_the_deepseek_rows_fit_as_the_study_found():
 
 
 def test_the_rows_made_for_other_gpus_name_experiments_and_gpus_the_study_has():
-    """study/gpus.py EXPERIMENT_GPUS: a renamed experiment would silently fall back to GB200s."""
+    """study/hardware/gpus.py EXPERIMENT_GPUS: a renamed experiment would silently fall back to
+    GB200s."""
     assert set(EXPERIMENT_GPUS) <= set(configs.EXPERIMENTS)
     assert {gpu_of(name).name for name in configs.EXPERIMENTS} <= set(GPUS)
     assert gpu_of("llama70b-8xh200").name == "h200" and gpu_of("llama405b-offload").name == "gb200"
@@ -121,7 +130,7 @@ def test_the_plan_keeps_a_devices_own_experts_whole():
     run = configs.RunConfig(preset="none", mesh=configs.MeshConfig(fsdp=1, expert=2), seq=16,
                             per_device_batch=1, compute_dtype="bfloat16")
     step = TracedStep(TINY_DEEPSEEK, run, (1, 1, 2))
-    planned = memory.plan(step, None, memory.tag_lines(step, None), 10**12, 10**12)
+    planned = memory_plan.plan(step, None, memory_plan.tag_lines(step, None), 10**12, 10**12)
     own = (TINY_DEEPSEEK.n_moe_layers, TINY_DEEPSEEK.n_experts // 2, TINY_DEEPSEEK.d_model,
            TINY_DEEPSEEK.moe_d_ff)
     assert TINY_DEEPSEEK.n_moe_layers % 2 == 0  # what a second division would have halved
@@ -153,3 +162,52 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     assert configs.problems(model, run, devices) == []
     if run.preset != activations.NO_CHECKPOINT:
         activations.resolve(run.preset, run.placement, families.of(model).SCANS)
+
+
+def test_rows_that_differ_in_placement_and_flags_share_one_traced_step(monkeypatch):
+    """The one trace cache (study/plan/traced_step.py): the search's tracers of two rows that
+    differ only in XLA flags get one step from traced_step(), and what the first traced the
+    second reads back, nothing traced again."""
+    built, traced = [], []
+
+    class Counted(TracedStep):
+        def __init__(self, *args):
+            built.append(args)
+            super().__init__(*args)
+
+    work = jaxpr.work
+    monkeypatch.setattr(traced_step_module, "_STEPS", {})
+    monkeypatch.setattr(traced_step_module, "TracedStep", Counted)
+    monkeypatch.setattr(jaxpr, "work", lambda *a, **k: traced.append(a) or work(*a, **k))
+    steps = []
+    for name in ("llama405b-offload", "llama405b-offload-nolhs"):
+        tracer = placements.Tracer(configs.get(name), gpu_of(name))
+        steps.append(tracer.step(1))
+        tracer.recompute(1, tracer.remat)  # the gradient with no table and with all recomputed
+    assert steps[0] is steps[1] and len(built) == 1 and len(traced) == 2
+
+
+def test_the_study_has_one_trace_cache():
+    """Only study/plan/traced_step.py keeps traced programs for later: no other study module
+    builds a TracedStep itself or holds a module-level dict filled as it runs, and functools
+    caches only what is no trace."""
+    found = []
+    for path in sorted(STUDY.rglob("*.py")):
+        where = path.relative_to(STUDY).as_posix()
+        if where == "plan/traced_step.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            value = getattr(node, "value", None)
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and (
+                    (isinstance(value, ast.Dict) and not value.keys) or (
+                        isinstance(value, ast.Call) and not (value.args or value.keywords)
+                        and ast.unparse(value.func).split(".")[-1] in ("dict", "defaultdict"))):
+                found.append(f"{where}:{node.lineno}: an empty module-level dict")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("TracedStep"):
+                found.append(f"{where}:{node.lineno}: a TracedStep not from traced_step()")
+            if isinstance(node, ast.FunctionDef) and (where, node.name) not in NOT_TRACES:
+                found += [f"{where}:{node.lineno}: {node.name} cached" for d in node.decorator_list
+                          if ast.unparse(d).split("(")[0].split(".")[-1] in ("cache", "lru_cache")]
+    assert found == []

@@ -11,17 +11,19 @@ import pytest
 from configs import ASYNC_LIMIT, LHS
 from model import deepseek
 from runtime import checkpoints
-from study import bench, checkpoint_bench, cli, compile_table, fit, gpu_check, step_times
+from study import cli
+from study.bench import checkpoint_costs, gpu_check, proxy_step
+from study.compiling import compile_table, fit_table, step_times
 from study.__main__ import main as study_main
 
 FIXTURE_HLO = Path(__file__).resolve().parent / "fixtures" / "addressing" / "jax-0.10.2.hlo"
 # What each mode and tool calls to trace, compile, replay or measure.
-ENTRY_POINTS = {cli.plans: ["full_scale"], cli: ["compile_row", "compile_only"],
-                cli.search_report: ["run_search"], step_times: ["compile_row", "predict"],
+ENTRY_POINTS = {cli.memory_plan: ["full_scale"], cli: ["compile_row", "compile_only"],
+                cli.placements: ["run_search"], step_times: ["compile_row", "predict"],
                 compile_table: ["compile_row"],
-                bench: ["matmul_ceiling", "step_time", "in_a_fresh_process"],
-                gpu_check: ["check_gradients", "measure_rows", "check_nvfp4"], fit: ["fit_row"],
-                checkpoint_bench: ["save_and_restore", "mean_step_s"]}
+                proxy_step: ["matmul_ceiling", "step_time", "in_a_fresh_process"],
+                gpu_check: ["check_gradients", "measure_rows", "check_nvfp4"],
+                fit_table: ["fit_row"], checkpoint_costs: ["save_and_restore", "mean_step_s"]}
 
 
 class Reached(Exception):
@@ -199,7 +201,7 @@ def test_the_out_dir_check_looks_for_no_checkpoint(mode, unbuilt, monkeypatch):
 
     monkeypatch.setattr(checkpoints, "find", looked)
     monkeypatch.setattr(cli, "compile_row", reached)
-    monkeypatch.setattr(cli.search_report, "run_search", reached)
+    monkeypatch.setattr(cli.placements, "run_search", reached)
     (unbuilt / "checkpoints" / "1").mkdir(parents=True)
     with pytest.raises(Reached):
         study_main([mode, "llama405b-offload", "resume=latest",

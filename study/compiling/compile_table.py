@@ -2,8 +2,9 @@
 
     python -m study compile-table [EXPERIMENT ...] [key=value ...]
 
-Each row is built on compile-only devices (study/compiled.py, as `make compile-ROW` does):
-XLA's memory per device beside the static plan and the study's figure; does it fit JAX's pool?
+Each row is built on compile-only devices (study/compiling/compiled_row.py, as `make
+compile-ROW` does): XLA's memory per device beside the static plan and the study's figure; does
+it fit JAX's pool?
 """
 
 import time
@@ -11,9 +12,9 @@ import time
 import configs
 from runtime import backend
 from runtime.own_program import GiB
-from study import cli
-from study.compile_only import pool_bytes
-from study.compiled import compile_row
+from study import command_line
+from study.hardware.compile_only import pool_bytes
+from study.compiling.compiled_row import compile_row
 
 ROWS = [*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
         "deepseek671b-device-mb8"]
@@ -38,10 +39,10 @@ def row(setup, gpu) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    _, names, overrides = cli.tool_words("compile-table [EXPERIMENT ...] [key=value ...]", argv,
-                                         {}, keys=True)
+    _, names, overrides = command_line.tool_words(
+        "compile-table [EXPERIMENT ...] [key=value ...]", argv, {}, keys=True)
     # Every row resolved (checked whole) before the first compiles.
-    setups = [cli.study_setup(name, overrides) for name in names or ROWS]
+    setups = [command_line.study_setup(name, overrides) for name in names or ROWS]
     header = ["row", "arguments", "temporaries", "device total", "static plan", "plan vs compiled",
               "study", "host", "plan host", "verdict", "compile s", "all s"]
     fraction, variable = backend.memory_fraction()

@@ -22,7 +22,7 @@ shape it does not understand is CANNOT VERIFY, never a pass."""
 import dataclasses
 import operator
 
-from study.hlo import Computation, Instruction, Module, Shape, ints, parse_module
+from study.programs.hlo import Computation, Instruction, Module, Shape, ints, parse_module
 
 XLA_ISSUE = "openxla/xla #46231"
 CHECKED, WRONG, UNVERIFIED = "checked", "WRONG", "CANNOT VERIFY"

@@ -1,5 +1,6 @@
 """What `python -m study compile` predicts of a step: the replay of its compiled schedule
-(study/replay.py) as printed lines and as the run folder's compiled.json and timeline.json."""
+(study/timing/replay.py) as printed lines and as the run folder's compiled.json and
+timeline.json."""
 
 import dataclasses
 import json
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import configs
 from model import families
-from study import hlo, memory, replay
-from study.gpus import Gpu
+from study.plan import memory_plan
+from study.programs import hlo
+from study.timing import replay
+from study.hardware.gpus import Gpu
 from runtime.own_program import CompiledMemory
 
 
@@ -110,8 +113,8 @@ def lines(p: StepPrediction) -> list[str]:
     exposed = ", ".join(f"{k} {v:.2f} s" for k, v in r.exposed.items() if v >= 0.005) or "none"
     busy = ", ".join(f"{k} {v:.2f} s" for k, v in r.busy.items() if k != "compute" and v >= 0.005)
     return [
-        f"step time (replayed from the compiled schedule, study/replay.py): {r.step_s:.2f} s, "
-        f"{p.tflops:,.0f} TFLOP/s/device (MaxText's formula){study}",
+        f"step time (replayed from the compiled schedule, study/timing/replay.py): "
+        f"{r.step_s:.2f} s, {p.tflops:,.0f} TFLOP/s/device (MaxText's formula){study}",
         f"  compute stream {r.step_s:.2f} s: GEMM-bound kernels {r.gemm_s:.2f} s, waiting on "
         f"other streams (exposed) {exposed}; critical: {r.critical()}",
         f"  other streams busy: {busy or 'none'}",
@@ -122,7 +125,7 @@ def lines(p: StepPrediction) -> list[str]:
     ]
 
 
-def write(p: StepPrediction, compiled: CompiledMemory, plan: memory.MemoryPlan,
+def write(p: StepPrediction, compiled: CompiledMemory, plan: memory_plan.MemoryPlan,
           folder: Path, title: str) -> None:
     """The run folder's compiled.json (memory beside the plan, predicted step) and timeline.json."""
     r = p.result

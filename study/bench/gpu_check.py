@@ -9,11 +9,11 @@ offloaded gradients checked.
    pool): `python train.py llama405b-compare`, each row in a process of its own at the fit
    every row fits (runtime/comparison.py: the study's layers, as many as fit), its step
    compiled by XLA and written out; then beside each row's measured median step the replay
-   of that same program on this GPU's figures (study/replay.py): the time model's error here.
+   of that same program on this GPU's figures (study/timing/replay.py): the time model's error here.
 2. Correctness (XLA has shipped wrong gradients for offloaded scan residuals, openxla/xla
    #46231): for each row's placement, XLA flags and NVFP4 weights, loss and gradients at f32 /
    highest matmul precision against no checkpointing, over several scanned layers, beside
-   the addressing proof of the same compiled program (study/addressing.py: the two must
+   the addressing proof of the same compiled program (study/programs/addressing.py: the two must
    agree); NVFP4 logits on this backend against the CPU's (and the FP4 path on Blackwell).
 """
 
@@ -31,9 +31,11 @@ from model import quant
 from model.options import ForwardOptions
 from runtime import comparison
 from runtime.setup import resolve_placement
-from study import addressing, cli, hlo, replay
-from study.bench import proxy_params
-from study.gpus import GPUS
+from study import command_line
+from study.programs import addressing, hlo
+from study.timing import replay
+from study.bench.proxy_step import proxy_params
+from study.hardware.gpus import GPUS
 from trainer import program, step as trainer_step, target as trainer_target
 
 NAME = "llama405b-compare"
@@ -156,8 +158,8 @@ def check_nvfp4() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    flags, _, words = cli.tool_words("gpu-check [--smoke] [out_dir=DIR]", argv,
-                                     {"--smoke": None}, names=False, keys=True)
+    flags, _, words = command_line.tool_words("gpu-check [--smoke] [out_dir=DIR]", argv,
+                                              {"--smoke": None}, names=False, keys=True)
     if unknown := [w for w in words if not w.startswith("out_dir=")]:
         raise configs.ConfigError(f"gpu-check takes out_dir= only, got {unknown[0]!r}")
     smoke = "--smoke" in flags
@@ -169,8 +171,8 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print(f"{r['experiment']:<30}{r['summary']['median_step_s'] * 1e3:>12.1f}"
               f"{r['replayed_s'] * 1e3:>14.1f}{r['replay_error']:>+14.1%}")
-    print(f"(each row's own compiled step, replayed on study/gpus.py's figures for this GPU; "
-          f"nan off a known GPU: {jax.devices()[0].device_kind}"
+    print(f"(each row's own compiled step, replayed on study/hardware/gpus.py's figures for this "
+          f"GPU; nan off a known GPU: {jax.devices()[0].device_kind}"
           + (", smoke shapes: not the real check)" if smoke else ")"))
     correctness = check_gradients(smoke)
     for r in correctness:

@@ -26,12 +26,12 @@ from model.sharding import AxisRules, make_mesh
 from offload import activations
 from runtime import header
 from runtime import setup as runtime_setup
-from study import cli
+from study import command_line
 from trainer import program
 from trainer import step as trainer_step
 from trainer import target as trainer_target
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where `python -m study` runs
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -146,8 +146,8 @@ def nvfp4_costs(model, run, repeats: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    _, names, words = cli.tool_words("bench [EXPERIMENT ...] [steps=N] [key=value ...]", argv,
-                                     {}, keys=True)
+    _, names, words = command_line.tool_words(
+        "bench [EXPERIMENT ...] [steps=N] [key=value ...]", argv, {}, keys=True)
     # Each experiment's proxy on one of this machine's devices, checked as a run checks it,
     # before the ceiling is measured; steps=N: the steps timed (typed and ranged as a run's).
     one = trainer_target.this_machine().devices[:1]

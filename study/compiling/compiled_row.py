@@ -11,10 +11,10 @@ import jax
 from offload.optimizer_state import HOST, moment_bytes
 from runtime.own_program import CompiledMemory
 from runtime.setup import Setup
-from study import memory, plan
-from study.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
-from study.gpus import Gpu
-from study.traced_step import traced_step
+from study.plan import memory_plan
+from study.hardware.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
+from study.hardware.gpus import Gpu
+from study.plan.traced_step import traced_step
 from trainer.program import Program
 from trainer.step import train_step
 from trainer.target import Target
@@ -55,18 +55,18 @@ class CompiledRow:
             self.setup.model, self.setup.run, self._mesh_shape)
 
     @functools.cached_property
-    def full_plan(self) -> memory.MemoryPlan:
+    def full_plan(self) -> memory_plan.MemoryPlan:
         """The experiment's full-scale static plan (with this compiled placement if full-scale)."""
         hlo = self.hlo if self._is_full_scale else None
-        return plan.full_scale(self.setup.experiment, self.gpu, self.setup.placement, hlo)
+        return memory_plan.full_scale(self.setup.experiment, self.gpu, self.setup.placement, hlo)
 
     @functools.cached_property
-    def run_tags(self) -> list[memory.TagLine]:
+    def run_tags(self) -> list[memory_plan.TagLine]:
         """This run's placement list, checked on its compiled program."""
         if self._is_full_scale:
             return self.full_plan.tags
         step = traced_step(self.setup.model, self.setup.run, self._mesh_shape)
-        return memory.tag_lines(step, self.setup.placement, self.hlo)
+        return memory_plan.tag_lines(step, self.setup.placement, self.hlo)
 
 
 def arriving(step_function):

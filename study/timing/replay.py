@@ -1,5 +1,5 @@
 """Step time from the compiled, scheduled GPU program: XLA's schedule replayed on one GPU's
-figures (study/gpus.py, sources in docs/hardware.md; the model in full: docs/replay.md).
+figures (study/hardware/gpus.py, sources in docs/hardware.md; the model in full: docs/replay.md).
 
 The entry computation is walked in schedule order (`is_scheduled=true`: the order its work is
 issued on the GPU), while loops by their known trip counts, each instruction costed from its own
@@ -18,9 +18,9 @@ import json
 import math
 import re
 
-from study import hlo
-from study.compile_only import ARRIVAL
-from study.gpus import Gpu
+from study.programs import hlo
+from study.hardware.compile_only import ARRIVAL
+from study.hardware.gpus import Gpu
 
 STREAMS = ("compute", "collectives", "to host", "from host", "async compute")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
@@ -73,7 +73,7 @@ class Costs:
         self.module, self.gpu, self.devices = module, gpu, devices
         self.efficiency = dict(gpu.efficiency if efficiency is None else efficiency)
         self.domain = gpu.domain_size(devices)
-        self._cache = {}
+        self._cache = {}  # one replay's memo of its instructions' work: no traces
 
     def rate(self, precision_class: str) -> float:
         peaks = self.gpu.peaks

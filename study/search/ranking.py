@@ -7,7 +7,7 @@ host offloading) and where the optimizer state lives. Its inputs come from the t
 here traces or reads an experiment (configs gives only the XLA flags' names).
 
 The fast time model (`predict`; docs/search.md) ranks many candidates; the replay of compiled
-programs (study/replay.py) judges the few compiled. Per layer: dot FLOPs (plus the table's
+programs (study/timing/replay.py) judges the few compiled. Per layer: dot FLOPs (plus the table's
 recompute) at the GPU's bf16 rate; offloaded bytes to host and back; FSDP collectives and
 expert all-to-alls over NVLink (the NICs for what leaves an NVLink domain). Without the latency
 hiding scheduler all of it is exposed; with it, FSDP collectives hide behind the layer's
@@ -73,13 +73,13 @@ class Hardware:
     capacity: int  # device memory JAX takes
     host_capacity: int  # host memory per GPU
     network: float = 0.0  # bytes/s each way per GPU between NVLink domains
-    domain: int = 0  # GPUs per NVLink domain (study/gpus.py: Gpu.domain_size); 0: all
+    domain: int = 0  # GPUs per NVLink domain (study/hardware/gpus.py: Gpu.domain_size); 0: all
 
     @functools.cache  # asked once per scan of every candidate
     def all_to_all_s(self, group: int) -> float:
         """Seconds per byte of an all-to-all over groups of `group` consecutive devices, the
         slowest group's: NVLink within one domain, the NICs at once for the rest (as
-        study/replay.py costs it). A group narrower than a domain may still straddle two."""
+        study/timing/replay.py costs it). A group narrower than a domain may still straddle two."""
         if group <= 1:
             return 0.0
         devices = max(group, self.devices)

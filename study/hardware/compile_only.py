@@ -1,5 +1,6 @@
-"""Compile-only GPUs, made from XLA's target spec of a GPU (study/gpus.py), on which XLA's real
-GPU compiler runs without one, and the options and checks only such a compile needs."""
+"""Compile-only GPUs, made from XLA's target spec of a GPU (study/hardware/gpus.py), on which
+XLA's real GPU compiler runs without one, and the options and checks only such a compile needs;
+the device and pinned host memory a run takes of a GPU."""
 
 import dataclasses
 import functools
@@ -11,7 +12,7 @@ from jax.experimental import topologies
 from configs import ConfigError
 from runtime import backend
 from runtime.backend import has_cuda_plugin, memory_fraction, quiet
-from study.gpus import Gpu
+from study.hardware.gpus import Gpu
 from trainer.target import Target
 
 # XLA's CUB radix-sort rewriter asks the CUDA runtime for a device, and with no device to time
@@ -21,8 +22,8 @@ from trainer.target import Target
 DEVICELESS = {"xla_gpu_enable_cub_radix_sort": False, "xla_gpu_autotune_level": 0}
 # Compile-only GPUs have no memory kinds (jax 0.12.0.1 drops `pinned_host` from their
 # shardings): the optimizer state a GPU run keeps in host memory arrives there as device
-# arguments and is moved to host first, in this named scope (study/compiled.py), which the
-# replay leaves out (study/replay.py).
+# arguments and is moved to host first, in this named scope (study/compiling/compiled_row.py),
+# which the replay leaves out (study/timing/replay.py).
 ARRIVAL = "compile_only_arrival"
 
 
@@ -34,7 +35,7 @@ def pool_bytes(gpu: Gpu) -> int:
 def host_limit(gpu: Gpu, gpus: int) -> int:
     """Pinned host bytes a run's process may hold on a host of `gpus` `gpu`s (at most a
     host's): XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB if this shell set it, else what a run there sets
-    (runtime/backend.py), within the host's memory (study/gpus.py)."""
+    (runtime/backend.py), within the host's memory (study/hardware/gpus.py)."""
     memory = gpu.host_memory * min(gpu.per_host, gpus)
     gib = (int(os.environ[backend.HOST_LIMIT_VARIABLE]) if backend.HOST_LIMIT_GIVEN
            else backend.default_host_limit_gib(memory))

@@ -7,8 +7,8 @@ H100, 1 x H200, 8 x H100, 8 x H200, 4 x GB200: one NVL72 tray; `device=` and `gp
 some), the fit the trainer's search finds there (runtime/fit.py) with programs compiled for
 compile-only GPUs: the layer count and what else it reduced, the chosen program's device and
 host bytes against the budget a run there has, one more layer's, and the replay of that
-program on that GPU (study/replay.py). Compiled without autotuning (study/compile_only.py): a
-real GPU's programs differ by the kernels it picks.
+program on that GPU (study/timing/replay.py). Compiled without autotuning
+(study/hardware/compile_only.py): a real GPU's programs differ by the kernels it picks.
 """
 
 import dataclasses
@@ -19,10 +19,11 @@ from runtime import backend
 from runtime import fit as fits
 from runtime.own_program import GiB
 from runtime.setup import Setup, resolve, resolve_placement
-from study import cli, predicted
-from study.compile_only import compile_only, host_limit, pool_bytes
-from study.compiled import compile_row
-from study.gpus import GPUS, Gpu
+from study import command_line
+from study.timing import predicted_step
+from study.hardware.compile_only import compile_only, host_limit, pool_bytes
+from study.compiling.compiled_row import compile_row
+from study.hardware.gpus import GPUS, Gpu
 
 USAGE = "fit [ROW ...] [device=KIND] [gpus=N] [key=value ...]"
 ROWS = (*configs.COMPARISONS["llama405b-compare"], *configs.COMPARISONS["deepseek671b-compare"],
@@ -33,8 +34,9 @@ COLUMNS = ("row", "machine", "layers", "also reduced", "device GiB (budget)",
 
 
 def machine_budget(gpu: Gpu, gpus: int, fit_memory: float) -> fits.Budget:
-    """A run's budget on `gpus` of `gpu`, one process per host (study/gpus.py: GPUs and memory
-    per host), its pinned host limit as a run there sets it (study/compile_only.py)."""
+    """A run's budget on `gpus` of `gpu`, one process per host (study/hardware/gpus.py: GPUs and
+    memory per host), its pinned host limit as a run there sets it
+    (study/hardware/compile_only.py)."""
     return fits.budget(fit_memory, pool_bytes(gpu), host_limit(gpu, gpus),
                        min(gpu.per_host, gpus))
 
@@ -80,8 +82,9 @@ def replayed(setup: Setup, compiled_hlo: str, gpu: Gpu, gpus: int) -> str:
     """The replay of a fit's program on its GPU: step time, TFLOP/s per GPU by MaxText's
     formula for the model that ran, each precision class's rate and where it comes from."""
     experiment = dataclasses.replace(setup.experiment, model=setup.model, run=setup.run)
-    p = predicted.of_experiment(experiment, compiled_hlo, gpu, gpus)
-    return f"{p.result.step_s:.2f} s, {p.tflops:,.0f} TFLOP/s ({predicted.efficiency_words(p)})"
+    p = predicted_step.of_experiment(experiment, compiled_hlo, gpu, gpus)
+    return (f"{p.result.step_s:.2f} s, {p.tflops:,.0f} TFLOP/s "
+            f"({predicted_step.efficiency_words(p)})")
 
 
 def machines(device: str, gpus: str) -> list[tuple[Gpu, int]]:
@@ -97,7 +100,7 @@ def machines(device: str, gpus: str) -> list[tuple[Gpu, int]]:
 
 
 def main(argv: list[str]) -> int:
-    _, names, words = cli.tool_words(USAGE, argv, {}, keys=True)
+    _, names, words = command_line.tool_words(USAGE, argv, {}, keys=True)
     study = {w.partition("=")[0]: w.partition("=")[2] for w in words
              if w.startswith(("device=", "gpus="))}
     args = [w for w in words if not w.startswith(("device=", "gpus=", "scale="))]

@@ -23,7 +23,7 @@ import train
 from configs import ConfigError
 from runtime import checkpoints
 from runtime import setup as runtime_setup
-from study import cli
+from study import command_line
 from trainer import target as trainer_target
 from trainer.program import Program
 
@@ -67,8 +67,8 @@ def save_and_restore(name: str, args: list[str], directory: Path) -> str:
 
 def arguments(argv: list[str]) -> tuple[list[str], int]:
     """(the experiments, each run's steps), every word and row checked before the first runs."""
-    _, names, words = cli.tool_words("checkpoint-bench [EXPERIMENT ...] [steps=N]", argv, {},
-                                     keys=True)
+    _, names, words = command_line.tool_words("checkpoint-bench [EXPERIMENT ...] [steps=N]",
+                                              argv, {}, keys=True)
     if unknown := configs.parse_overrides(words).keys() - {"steps"}:
         raise ConfigError(f"checkpoint-bench: unknown key {sorted(unknown)[0]!r}; it takes steps")
     names = names or ["llama405b-offload"]

@@ -11,15 +11,16 @@ What XLA does: in a program compiled for a GPU (a GPU run, or compile-only devic
 offloaded inside a layer scan becomes one buffer stacked over the layers, `bf16[L, ...]{...:S(5)}`
 (memory space 5: pinned host), made by an `AllocateBuffer` custom call, written in the forward
 loop and read in the backward loop. XLA's host-offload passes could still keep a device copy,
-drop a move or address the buffer wrongly (study/addressing.py): only the compiled program shows it.
+drop a move or address the buffer wrongly (study/programs/addressing.py): only the compiled
+program shows it.
 """
 
 import re
 from collections import Counter, defaultdict
 
-from study import addressing
-from study.addressing import Proof
-from study.jaxpr import Tagged, moves_in
+from study.programs import addressing
+from study.programs.addressing import Proof
+from study.programs.jaxpr import Tagged, moves_in
 from offload import optimizer_state
 from runtime.own_program import DTYPE_NAMES, tagged_in
 
@@ -64,9 +65,10 @@ def compiled_host_buffers(hlo: str, offloaded: list[Tagged],
                           state: set[tuple] = frozenset()) -> dict[tuple[str, str], Proof]:
     """(layer scan, tag) of every `offloaded` value (per device, per layer, as traced) whose stack
     over its layers, [count, *shape], the compiled program keeps in host memory, with the proof it
-    reads that buffer back from where it wrote it (study/addressing.py). Any other host buffer is
-    an error (a move no table asked for), but for the optimizer state's stacked moments (`state`:
-    per-device (shape, dtype), optimizer_state=host), which are not activations."""
+    reads that buffer back from where it wrote it (study/programs/addressing.py). Any other host
+    buffer is an error (a move no table asked for), but for the optimizer state's stacked
+    moments (`state`: per-device (shape, dtype), optimizer_state=host), which are not
+    activations."""
     left = addressing.prove(hlo)
     found = {}
     for value in offloaded:

@@ -1,12 +1,14 @@
-"""Where a step's activations go, and how much memory each device needs, from abstract values.
+"""The memory plan as printed: the placement list, the memory lines, and beside them XLA's
+compiled program (its memory, its host buffers).
 
     python -m study plan EXPERIMENT [key=value ...]      the full-scale plan (static)
     python -m study compile EXPERIMENT [key=value ...]   beside XLA's compiled GPU program: the
                                                          host buffers it keeps, its memory
 
-The static plan allocates and compiles nothing: the step is traced and exported for a GPU from
-ShapeDtypeStructs sharded over an abstract mesh, with kernels every backend has (target "any"),
-so a laptop plans the 128-GPU run and a GPU run plans without touching its devices.
+The static plan (study/plan/memory_plan.py) allocates and compiles nothing: the step is traced
+and exported for a GPU from ShapeDtypeStructs sharded over an abstract mesh, with kernels every
+backend has (target "any"), so a laptop plans the 128-GPU run and a GPU run plans without
+touching its devices.
 """
 
 import math
@@ -14,36 +16,25 @@ import math
 import jax
 import jax.numpy as jnp
 
-from study import addressing, memory
-from study.traced_step import traced_step
-from configs import Experiment, RunConfig
-from study.gpus import Gpu
+from configs import RunConfig
 from offload import activations
 from runtime import backend
-from trainer import target
 from runtime.own_program import GiB, CompiledMemory, size_words as _size
-from study.compile_only import host_limit, pool_bytes
+from study.hardware.compile_only import host_limit, pool_bytes
+from study.hardware.gpus import Gpu
+from study.plan import memory_plan
+from study.programs import addressing
+from trainer import target
 
 
-
-def full_scale(experiment: Experiment, gpu: Gpu, tables: dict | None,
-               compiled_hlo: str | None = None) -> memory.MemoryPlan:
-    """The experiment's full-scale plan on `gpu`s under these tables (given compiled HLO,
-    XLA's placement)."""
-    run = experiment.run
-    step = traced_step(experiment.model, run, run.mesh.shape(run.mesh.devices))
-    return memory.plan(step, tables, memory.tag_lines(step, tables, compiled_hlo),
-                       pool_bytes(gpu), gpu.host_memory)
-
-
-def _of_pool(n: int, plan: memory.MemoryPlan, gpu: Gpu) -> str:
+def _of_pool(n: int, plan: memory_plan.MemoryPlan, gpu: Gpu) -> str:
     """`n` bytes against the device memory JAX takes of `gpu`."""
     fraction, variable = backend.memory_fraction()
     return (f"of {_size(plan.capacity)} ({n / plan.capacity:.0%}; JAX's pool on the {gpu.name}: "
             f"{variable}={fraction:g} x {_size(gpu.memory)} = {_size(pool_bytes(gpu))})")
 
 
-def placement_lines(lines: list[memory.TagLine]) -> list[str]:
+def placement_lines(lines: list[memory_plan.TagLine]) -> list[str]:
     """The placement list: one line per tag (per layer scan), and the offloaded totals."""
     compiled = any(line.in_host_memory is not None for line in lines)
     program = "compiled GPU program (XLA)" if compiled else "exported GPU program (JAX)"
@@ -66,14 +57,15 @@ def placement_lines(lines: list[memory.TagLine]) -> list[str]:
     return out + addressing_problems(lines)
 
 
-def addressing_problems(lines: list[memory.TagLine]) -> list[str]:
-    """A line per offloaded tag not provably read back from where it was written (addressing.py)."""
+def addressing_problems(lines: list[memory_plan.TagLine]) -> list[str]:
+    """A line per offloaded tag not provably read back from where it was written
+    (study/programs/addressing.py)."""
     return [f"{line.value.scan} {line.value.tag}: addressing {line.addressing.verdict}: "
             f"{line.addressing.detail}" for line in lines
             if line.addressing is not None and not line.addressing.holds]
 
 
-def _verdict(line: memory.TagLine) -> str:
+def _verdict(line: memory_plan.TagLine) -> str:
     if not line.needed:
         return "nothing to place: the backward pass never reads it"
     if line.in_host_memory:
@@ -87,7 +79,7 @@ def _verdict(line: memory.TagLine) -> str:
     return {"device": "stays on device", "remat": "recomputed"}.get(line.placement, "NOT OFFLOADED")
 
 
-def plan_lines(name: str, run: RunConfig, gpu: Gpu, plan: memory.MemoryPlan) -> list[str]:
+def plan_lines(name: str, run: RunConfig, gpu: Gpu, plan: memory_plan.MemoryPlan) -> list[str]:
     """The whole plan: a title, the placement list, the memory lines."""
     mesh = run.mesh
     title = (f"memory plan: {name} at full scale, per device of the mesh data={mesh.data} x "
@@ -96,7 +88,7 @@ def plan_lines(name: str, run: RunConfig, gpu: Gpu, plan: memory.MemoryPlan) -> 
     return [title, *placement_lines(plan.tags), *memory_lines(plan, gpu, run)]
 
 
-def fit_line(fits: bool, device: int, what: str, host: int, plan: memory.MemoryPlan,
+def fit_line(fits: bool, device: int, what: str, host: int, plan: memory_plan.MemoryPlan,
              gpu: Gpu) -> str:
     """The verdict, in the same words for the static plan and the compiled program."""
     return (f"{'FITS' if fits else 'DOES NOT FIT'}: {_size(device)} {what} "
@@ -126,7 +118,7 @@ def host_pool_warning(host: float, gpu: Gpu) -> list[str]:
             "GPUs, or offload less"]
 
 
-def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]:
+def memory_lines(plan: memory_plan.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]:
     stacked = sum(r.nbytes for r in plan.residuals
                   if not r.on_host and r.shape[:1] and r.shape[0] in plan.layers)
     rows = [
@@ -173,7 +165,7 @@ def memory_lines(plan: memory.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]
     return out
 
 
-def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan, gpu: Gpu,
+def compiled_lines(compiled: CompiledMemory, plan: memory_plan.MemoryPlan, gpu: Gpu,
                    arrived: int = 0) -> list[str]:
     """XLA's per-device memory of the compiled program beside the static plan: does it fit?
     `arrived`: the host optimizer state a compile-only program took as device arguments."""
@@ -207,7 +199,7 @@ def compiled_lines(compiled: CompiledMemory, plan: memory.MemoryPlan, gpu: Gpu,
     elif unproven := [p for p in proofs if not p.holds]:
         out.append(f"UNPROVEN: the addressing of {len(unproven)} of {len(proofs)} host buffers "
                    "cannot be verified (above); check the gradients on a GPU: "
-                   "study/gpu_check.py")
+                   "study/bench/gpu_check.py")
     out.append(fit_line(compiled.device <= plan.capacity, compiled.device, "compiled",
                         compiled.host, plan, gpu))
     out.append("not in the compiled figures: GEMM autotuning (none without a GPU: default "

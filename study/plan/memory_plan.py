@@ -7,12 +7,14 @@ import dataclasses
 import jax
 import numpy as np
 
-from study import offload_proof
-from study.addressing import Proof
-from study.jaxpr import Residual, Tagged
-from study.traced_step import TracedStep
-from configs import PIPELINED
+from configs import PIPELINED, Experiment
 from offload.optimizer_state import per_device_bytes
+from study.hardware.compile_only import pool_bytes
+from study.hardware.gpus import Gpu
+from study.plan.traced_step import TracedStep, traced_step
+from study.programs import offload_proof
+from study.programs.addressing import Proof
+from study.programs.jaxpr import Residual, Tagged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,16 @@ def tag_lines(step: TracedStep, tables: dict | None,
                     None if in_host is None else (s.scan, s.tag) in in_host,
                     None if in_host is None else in_host.get((s.scan, s.tag)))
             for s in step.sites]
+
+
+def full_scale(experiment: Experiment, gpu: Gpu, tables: dict | None,
+               compiled_hlo: str | None = None) -> MemoryPlan:
+    """The experiment's full-scale plan on `gpu`s under these tables (given compiled HLO,
+    XLA's placement)."""
+    run = experiment.run
+    step = traced_step(experiment.model, run, run.mesh.shape(run.mesh.devices))
+    return plan(step, tables, tag_lines(step, tables, compiled_hlo), pool_bytes(gpu),
+                gpu.host_memory)
 
 
 def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: int,

@@ -3,9 +3,10 @@
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]
 
 Each row is compiled for its GPUs on compile-only devices (or its optimized HLO read from
-DIR/<row>.hlo, written there by an earlier run with --hlo), its step replayed (study/replay.py)
-and compared with the study: TFLOP/s/device per row, the study's ratios (a hit within 3 points),
-what-ifs, and the efficiency fit of study/gpus.py (each precision class on its FIT_ON row).
+DIR/<row>.hlo, written there by an earlier run with --hlo), its step replayed
+(study/timing/replay.py) and compared with the study: TFLOP/s/device per row, the study's ratios
+(a hit within 3 points), what-ifs, and the efficiency fit of study/hardware/gpus.py (each
+precision class on its FIT_ON row).
 """
 
 import dataclasses
@@ -17,15 +18,17 @@ import configs
 from configs import ConfigError
 from runtime import checkpoints
 from runtime import setup as runtime_setup
-from study import cli, hlo, predicted
-from study.compiled import compile_row
-from study.gpus import gpu_of
+from study import command_line
+from study.programs import hlo
+from study.timing import predicted_step
+from study.compiling.compiled_row import compile_row
+from study.hardware.gpus import gpu_of
 
 USAGE = "step-times [--hlo DIR] [EXPERIMENT ...]"
 
 ROWS = [*configs.COMPARISONS["llama405b-compare"], "llama405b-searched",
         *configs.COMPARISONS["deepseek671b-compare"]]
-# What-ifs, each one figure of study/gpus.py changed: how much of a miss a term explains.
+# What-ifs, each one figure of study/hardware/gpus.py changed: how much of a miss a term explains.
 WHAT_IFS = {"one NVLink domain": {"nvlink_domain": 128},
             "host link not shared": {"host_link_gpus": 1}}
 # (what, numerator row, denominator row): the study's claims as ratios of its figures.
@@ -45,7 +48,7 @@ FIT_ON = {"fp4": "llama405b-baseline", "bf16": "deepseek671b-offload"}
 def arguments(argv: list[str]) -> tuple[Path | None, list[str], dict[str, str]]:
     """(the --hlo folder, the rows, the saved HLO of each row that has one), every word checked
     and every saved file read before anything is compiled."""
-    flags, names, _ = cli.tool_words(USAGE, argv, {"--hlo": "DIR"})
+    flags, names, _ = command_line.tool_words(USAGE, argv, {"--hlo": "DIR"})
     hlo_dir = Path(flags["--hlo"]) if "--hlo" in flags else None
     if hlo_dir:
         checkpoints.check_folder(f"--hlo {hlo_dir}", str(hlo_dir))
@@ -82,11 +85,11 @@ def compiled_hlo(name: str, hlo_dir: Path | None) -> str:
     return text
 
 
-def predict(name: str, text: str, efficiency=None, **changes) -> predicted.StepPrediction:
+def predict(name: str, text: str, efficiency=None, **changes) -> predicted_step.StepPrediction:
     experiment = configs.get(name)
     gpu = dataclasses.replace(gpu_of(name), **changes)
-    return predicted.of_experiment(experiment, text, gpu, experiment.run.mesh.devices,
-                                   efficiency=efficiency)
+    return predicted_step.of_experiment(experiment, text, gpu, experiment.run.mesh.devices,
+                                        efficiency=efficiency)
 
 
 def fit(cls: str, name: str, text: str) -> str:
@@ -124,7 +127,7 @@ def main(argv: list[str]) -> int:
               f"{r.exposed['collectives']:.2f} | {host:.2f} | {r.critical()} | "
               f"{' '.join(f'{k} {v / 1e15:.1f}' for k, v in sorted(r.flops.items()))} | "
               f"{time.perf_counter() - started:.0f} |", flush=True)
-    print(f"\nGEMM rates: {predicted.efficiency_words(found[names[0]])}")
+    print(f"\nGEMM rates: {predicted_step.efficiency_words(found[names[0]])}")
     print("\n| the study's claim | study | replayed | within 3 points |\n|---|---|---|---|")
     for what, top, bottom in RATIOS:
         if top in found and bottom in found:
@@ -137,7 +140,7 @@ def main(argv: list[str]) -> int:
     for label, changes in WHAT_IFS.items():
         figures = [f"{n} {predict(n, texts[n], **changes).tflops:,.0f}" for n in names]
         print(f"  {label}: " + ", ".join(figures))
-    print("\nefficiency fits (study/gpus.py takes a figure only where a fit succeeds):")
+    print("\nefficiency fits (study/hardware/gpus.py takes a figure only where a fit succeeds):")
     for cls, name in FIT_ON.items():
         if name in texts:
             print(f"  {fit(cls, name, texts[name])}")

@@ -1,9 +1,12 @@
-"""One training step as abstract values, read by the memory plan, placement list, search, replay.
+"""One training step as abstract values, read by the memory plan, placement list and search.
 
 A `TracedStep` is (model, run) at the run's micro batch on an abstract mesh of the given shape
 (nothing allocated, no device needed): the sharded abstract state and batch, and one device's
 share of the step traced alone, each view traced on first use and kept. MoE experts are traced
 as a GPU computes them (target "any": grouped GEMMs, or one per local expert if expert-parallel).
+
+The study's one trace cache is here: `traced_step()` keeps one TracedStep per model, run and mesh,
+and each keeps its views per placement; every tool gets its steps from it (tests/test_study.py).
 """
 
 import dataclasses
@@ -15,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
-from study import jaxpr, offload_proof
+from study.programs import jaxpr, offload_proof
 from configs import MESH_AXES, RunConfig
 from model import families, quant
 from model.params import ParamSpec, abstract_params, param_count
@@ -33,7 +36,8 @@ def freeze(tables: dict | None):
 
 
 def _traced_once(view):
-    """A view of the step under a placement, traced on first use and kept."""
+    """A view of the step under a placement, traced on first use and kept (on the step: the
+    cache of traced_step() below holds the steps)."""
     @functools.wraps(view)
     def kept(self, *tables: dict | None):
         key = (view.__name__, *map(freeze, tables))
@@ -159,7 +163,7 @@ _STEPS: dict[tuple, TracedStep] = {}
 
 
 def traced_step(model, run: RunConfig, mesh_shape: tuple[int, int, int]) -> TracedStep:
-    """One TracedStep per model, run and mesh, its traces shared by every plan that asks (the
+    """One TracedStep per model, run and mesh, its traces shared by every tool that asks (the
     rows and placements of one model differ in tables, each traced once per step)."""
     key = (model, repr(run), tuple(mesh_shape))
     if key not in _STEPS:

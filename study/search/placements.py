@@ -5,27 +5,28 @@
         [search.verify=0] [search.plot=auto|off]
 
 Every figure comes from the traced full-scale step (abstract values over an abstract mesh, as
-the plan) and study/gpus.py. A MoE model's expert-parallel degrees are traced apart, each with
-its own memory, collectives and all-to-alls; the recompute each tag saves is traced at the
-experiment's own degree and used for every degree (per device it barely depends on it). The
-fast model (study/search.py) only ranks; `search.verify=N` compiles the best N and the model's
-registered rows and ranks those by the replay of their compiled programs (study/replay.py)."""
+the plan) and study/hardware/gpus.py. A MoE model's expert-parallel degrees are traced apart,
+each with its own memory, collectives and all-to-alls; the recompute each tag saves is traced at
+the experiment's own degree and used for every degree (per device it barely depends on it). The
+fast model (study/search/ranking.py) only ranks; `search.verify=N` compiles the best N and the
+model's registered rows and ranks those by the replay of their compiled programs
+(study/timing/replay.py)."""
 
 import dataclasses
-import functools
 from pathlib import Path
 
 import configs
-from study import memory, plan, search
-from study.traced_step import TracedStep
+from study.plan import memory_plan, printed
+from study.search import ranking
+from study.plan.traced_step import TracedStep, traced_step
 from configs import LHS, PIPELINED, ConfigError, Experiment
-from study.gpus import GPUS, Gpu
+from study.hardware.gpus import GPUS, Gpu
 from model import families
 from model.config import DeepSeekConfig
 from offload import activations
 from runtime.own_program import GiB, CompiledMemory
 from runtime.setup import resolve_placement
-from study.compile_only import pool_bytes
+from study.hardware.compile_only import pool_bytes
 
 OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
 PLOTS = ("auto", "off")  # the picture beside the report, or none
@@ -52,13 +53,13 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
 
 
 class Tracer:
-    """An experiment traced per micro batch and expert-parallel degree, and the search's inputs."""
+    """An experiment traced per micro batch and expert-parallel degree, and the search's inputs.
+    Its steps are traced_step()'s, shared by every row of the same model, sequence and mesh."""
 
     def __init__(self, experiment: Experiment, gpu: Gpu):
         self.model, self.run, self.gpu = experiment.model, experiment.run, gpu
         self.scans = list(families.of(self.model).SCANS)
         self.remat = {s: {} for s in self.scans}
-        self.steps: dict[tuple[int, int], TracedStep] = {}
         self.moe = isinstance(self.model, DeepSeekConfig)
 
     def mesh(self, expert: int) -> tuple[int, int, int]:
@@ -67,13 +68,14 @@ class Tracer:
         return mesh.shape(self.run.mesh.devices)
 
     def step(self, batch: int, expert: int = 0) -> TracedStep:
+        """The step at `batch` and `expert`, its placement, preset and XLA flags cleared: a
+        candidate sets its own, and what is traced does not read them."""
         expert = expert or self.run.mesh.expert
-        if (batch, expert) not in self.steps:
-            data, fsdp, _ = self.mesh(expert)
-            mesh = dataclasses.replace(self.run.mesh, fsdp=fsdp, expert=expert)
-            run = dataclasses.replace(self.run, per_device_batch=batch, global_batch=0, mesh=mesh)
-            self.steps[batch, expert] = TracedStep(self.model, run, (data, fsdp, expert))
-        return self.steps[batch, expert]
+        data, fsdp, _ = self.mesh(expert)
+        mesh = dataclasses.replace(self.run.mesh, fsdp=fsdp, expert=expert)
+        run = dataclasses.replace(self.run, preset="", placement={}, xla_flags={},
+                                  per_device_batch=batch, global_batch=0, mesh=mesh)
+        return traced_step(self.model, run, (data, fsdp, expert))
 
     def recompute(self, batch: int, tables: dict, expert: int = 0) -> dict:
         """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `tables`."""
@@ -83,7 +85,6 @@ class Tracer:
                           - getattr(base, f).get((s, "backward"), 0.0)) / step.layers[s]
                          for f in ("flops", "exchanged")) for s in self.scans}
 
-    @functools.cache
     def savings(self, scan: str, tag: str) -> tuple[float, float]:
         """Recompute FLOPs and all-to-all bytes per layer that keeping `tag` alone saves, at
         the experiment's micro batch, per sequence (both scale with the tokens)."""
@@ -92,8 +93,7 @@ class Tracer:
         remat = self.recompute(batch, self.remat)[scan]
         return tuple((r - a) / batch for r, a in zip(remat, alone))
 
-    @functools.cache
-    def workload(self, batch: int, expert: int = 0, savings: bool = True) -> search.Workload:
+    def workload(self, batch: int, expert: int = 0, savings: bool = True) -> ranking.Workload:
         """The search's inputs at one micro batch and expert-parallel degree; without `savings`
         (a candidate counted on its own trace needs none) each tag's saving is zero."""
         expert = expert or self.run.mesh.expert
@@ -101,12 +101,12 @@ class Tracer:
         none = step.work(None)
         remat = self.recompute(batch, self.remat, expert)
 
-        def tag(s: str, v) -> search.Tag:
+        def tag(s: str, v) -> ranking.Tag:
             if v.tag == activations.LAYER_INPUT:
-                return search.Tag(v.tag, v.nbytes, 0, 0, 0)
+                return ranking.Tag(v.tag, v.nbytes, 0, 0, 0)
             saved = self.savings(s, v.tag) if savings else (0, 0)
-            return search.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
-                              *(batch * x for x in saved))
+            return ranking.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
+                               *(batch * x for x in saved))
 
         scans = []
         for s in self.scans:
@@ -114,69 +114,56 @@ class Tracer:
             sites = sorted((v for v in step.sites if v.scan == s and (s, v.tag) in step.needed),
                            key=lambda v: v.tag != activations.LAYER_INPUT)
             forward, backward = (none.flops.get((s, p), 0.0) / n for p in ("forward", "backward"))
-            scans.append(search.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
-                                     remat[s][0], none.exchanged.get((s, "forward"), 0.0) / n,
-                                     remat[s][1], step.gathered_layer_bytes(s), expert))
+            scans.append(ranking.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
+                                      remat[s][0], none.exchanged.get((s, "forward"), 0.0) / n,
+                                      remat[s][1], step.gathered_layer_bytes(s), expert))
         fixed, state = self.remat_plan(batch, expert)
         # The layer inputs (each scan's first tag) are the candidate's to place.
         fixed -= sum(scan.layers * scan.tags[0].nbytes for scan in scans)
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
         flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
-        return search.Workload(batch, tuple(scans), other, fixed, flops, state,
-                               self.mesh(expert) if self.moe else None)
+        return ranking.Workload(batch, tuple(scans), other, fixed, flops, state,
+                                self.mesh(expert) if self.moe else None)
 
-    @functools.cache
     def remat_plan(self, batch: int, expert: int) -> tuple[int, int]:
         """Peak device bytes with every tag recomputed, without the optimizer state, and the
         optimizer state's bytes: the static plan's arithmetic."""
         step = self.step(batch, expert)
-        lines = [memory.TagLine(v, "remat", True, False) for v in step.sites]
+        lines = [memory_plan.TagLine(v, "remat", True, False) for v in step.sites]
         gpu = self.gpu
-        planned = memory.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory)
+        planned = memory_plan.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory)
         return planned.peak_estimate - planned.device_optimizer, planned.optimizer
 
 
-_TRACERS: dict[tuple, Tracer] = {}
-
-
-def tracer_for(experiment: Experiment, gpu: Gpu) -> Tracer:
-    """One Tracer per model, GPU and the run settings that change what is traced (placement,
-    flags and batch aside: a tracer sets them), shared by the rows that differ only so."""
-    traced = dataclasses.replace(experiment.run, preset="", placement=None, xla_flags=None,
-                                 per_device_batch=1, global_batch=0)
-    key = (experiment.model, gpu.name, dataclasses.astuple(traced))
-    return _TRACERS.setdefault(key, Tracer(experiment, gpu))
-
-
-def row_candidate(tracer: Tracer, row: Experiment) -> search.Candidate:
+def row_candidate(tracer: Tracer, row: Experiment) -> ranking.Candidate:
     tables = resolve_placement(row.model, row.run)
     flags = row.run.xla_flags
-    schedule = search.Schedule(flags.get(LHS) == "true", flags.get(PIPELINED) == "true")
+    schedule = ranking.Schedule(flags.get(LHS) == "true", flags.get(PIPELINED) == "true")
     mesh = tracer.mesh(row.run.mesh.expert) if tracer.moe else None
-    return search.make_candidate(row.run.per_device_batch, tables, schedule, row.name,
-                                 row.run.optimizer_state, mesh)
+    return ranking.make_candidate(row.run.per_device_batch, tables, schedule, row.name,
+                                  row.run.optimizer_state, mesh)
 
 
-def hardware(gpu: Gpu, devices: int) -> search.Hardware:
+def hardware(gpu: Gpu, devices: int) -> ranking.Hardware:
     rate = gpu.peaks["bf16"] * gpu.efficiency.get("bf16", 1.0)
-    return search.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices, pool_bytes(gpu),
-                           gpu.host_memory, gpu.network, gpu.domain_size(devices))
+    return ranking.Hardware(gpu.name, rate, gpu.nvlink, gpu.host_link, devices, pool_bytes(gpu),
+                            gpu.host_memory, gpu.network, gpu.domain_size(devices))
 
 
-def exact(tracer: Tracer, candidate: search.Candidate, hw: search.Hardware):
+def exact(tracer: Tracer, candidate: ranking.Candidate, hw: ranking.Hardware):
     tables = {s: candidate.table(s) for s in tracer.scans}
     expert = candidate.mesh[2] if candidate.mesh else 0
-    return search.predict(candidate, tracer.workload(candidate.batch, expert, savings=False),
-                          hw, tracer.recompute(candidate.batch, tables, expert))
+    return ranking.predict(candidate, tracer.workload(candidate.batch, expert, savings=False),
+                           hw, tracer.recompute(candidate.batch, tables, expert))
 
 
 @dataclasses.dataclass
 class Result:
     experiment: Experiment
-    hw: search.Hardware
+    hw: ranking.Hardware
     batches: list[int]
-    ranked: list[search.Prediction]  # every candidate searched, best first
-    rows: list[search.Prediction]  # the study's rows, exact
+    ranked: list[ranking.Prediction]  # every candidate searched, best first
+    rows: list[ranking.Prediction]  # the study's rows, exact
     seconds: float
 
 
@@ -220,7 +207,7 @@ def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result
     the study's rows get their recompute counted from their own trace."""
     started = clock()
     run = experiment.run
-    tracer = tracer_for(experiment, gpu)
+    tracer = Tracer(experiment, gpu)
     hw = hardware(gpu, run.mesh.devices)
     # The registered rows of this model, sequence and mesh: the study's and any searched one.
     rows = [row_candidate(tracer, e) for e in configs.EXPERIMENTS.values()
@@ -228,15 +215,15 @@ def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result
     batches = batches_of(experiment, options["batches"])
     degrees = experts_of(experiment, gpu, options["experts"])
     works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
-    ranked = search.search(works, hw, [search.Schedule(True), search.Schedule(True, True)])
+    ranked = ranking.search(works, hw, [ranking.Schedule(True), ranking.Schedule(True, True)])
     # Count the leaders' recompute on their own traces until the leaders are all counted so.
     while (todo := [p for p in ranked[:int(options["exact"])] if p.fits and not p.exact]):
-        ranked = search.rank([exact(tracer, p.candidate, hw) if p in todo else p for p in ranked])
+        ranked = ranking.rank([exact(tracer, p.candidate, hw) if p in todo else p for p in ranked])
     return Result(experiment, hw, batches, ranked, [exact(tracer, c, hw) for c in rows],
                   clock() - started)
 
 
-def placement_text(candidate: search.Candidate, scans) -> str:
+def placement_text(candidate: ranking.Candidate, scans) -> str:
     """Per scan: the tags kept on device (D) and offloaded (H); the rest are recomputed (the
     layer input, kept on device unless offloaded, is named only when offloaded)."""
     parts = []
@@ -252,7 +239,7 @@ def placement_text(candidate: search.Candidate, scans) -> str:
     return "; ".join(parts)
 
 
-def _line(p: search.Prediction, rank: str, scans) -> str:
+def _line(p: ranking.Prediction, rank: str, scans) -> str:
     c, t = p.candidate, p.terms
     study = configs.STUDY_TFLOPS.get(c.row)
     return (f"{rank:>5} {c.batch:>3} {str(c.schedule):<14}{p.device_bytes / GiB:>8.1f}"
@@ -271,7 +258,8 @@ def report_lines(result: Result, top: int) -> list[str]:
         f"{sum(p.fits for p in result.ranked)} fit {hw.capacity / GiB:.1f} GiB "
         f"(JAX's pool) and {hw.host_capacity / GiB:.0f} GiB host; {result.seconds:.1f} s",
         f"fast time model (ranking only; search.verify=N replays the compiled programs): dot "
-        f"FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s (the {hw.name}'s bf16 rate, study/gpus.py), "
+        f"FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s (the {hw.name}'s bf16 rate, "
+        "study/hardware/gpus.py), "
         f"NVLink {hw.nvlink / 1e9:.0f} GB/s, host link {hw.host_link / 1e9:.0f} GB/s each way",
         "GiB per device; TFLOP/s/device by MaxText's formula; seconds per step: recompute, and "
         "exposed host transfers and NVLink collectives; ~: recompute summed per tag (the rest "
@@ -283,7 +271,7 @@ def report_lines(result: Result, top: int) -> list[str]:
     lines += ["the study's rows (and registered rows of this model), counted on their traces:"]
     lines += [_line(p, "row", scans) for p in result.rows]
     lines += ["Pareto front (least device memory for the throughput):"]
-    lines += [_line(p, "pareto", scans) for p in search.pareto(result.ranked + result.rows)]
+    lines += [_line(p, "pareto", scans) for p in ranking.pareto(result.ranked + result.rows)]
     return lines + best_lines(result, scans)
 
 
@@ -299,27 +287,27 @@ def best_lines(result: Result, scans) -> list[str]:
                      f"{best.tflops / row.tflops - 1:+.1%} over the study's best row "
                      f"{row.candidate.row} as predicted ({row.tflops:,.0f}; measured "
                      f"{configs.STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
-    lines += plan.host_pool_warning(best.host_bytes, GPUS[result.hw.name])
+    lines += printed.host_pool_warning(best.host_bytes, GPUS[result.hw.name])
     return lines + ["run it: python train.py " + " ".join(
-        [result.experiment.name, *search.overrides(best.candidate, scans)])]
+        [result.experiment.name, *ranking.overrides(best.candidate, scans)])]
 
 
-def run_overrides(prediction: search.Prediction, model) -> list[str]:
-    return search.overrides(prediction.candidate, list(families.of(model).SCANS))
+def run_overrides(prediction: ranking.Prediction, model) -> list[str]:
+    return ranking.overrides(prediction.candidate, list(families.of(model).SCANS))
 
 
 @dataclasses.dataclass
 class Verified:
     """A candidate or registered row compiled for its GPUs and its step replayed."""
-    prediction: search.Prediction  # the fast model's
+    prediction: ranking.Prediction  # the fast model's
     compiled: CompiledMemory
-    replayed: object  # study.predicted.StepPrediction
+    replayed: object  # study.timing.predicted_step.StepPrediction
     what: str  # the row's name, or the candidate's overrides
 
 
 def verified_lines(found: list[Verified], capacity: int) -> list[str]:
     """Ranked by the replay of each compiled program; the fast model's figures beside it."""
-    lines = ["verified: compiled for the GPUs and replayed (study/replay.py), best first",
+    lines = ["verified: compiled for the GPUs and replayed (study/timing/replay.py), best first",
              f"{'replayed':>9}{'fast':>7}{'study':>7}{'device':>8}{'host':>7}  fit   what "
              "(TFLOP/s/device; GiB per device as compiled)"]
     for v in sorted(found, key=lambda v: -v.replayed.tflops):
@@ -346,7 +334,7 @@ def write_plot(result: Result, out_dir: str) -> str:
     dots = axes.scatter([p.device_bytes / GiB for p in fits], [p.tflops for p in fits], s=6,
                         c=[p.host_bytes / GiB for p in fits], cmap="viridis", alpha=0.5)
     figure.colorbar(dots, label="host GiB per device")
-    front = search.pareto(result.ranked + result.rows)
+    front = ranking.pareto(result.ranked + result.rows)
     axes.plot([p.device_bytes / GiB for p in front], [p.tflops for p in front], "k-",
               label="Pareto front")
     for p in result.rows:

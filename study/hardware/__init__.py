@@ -1,0 +1,1 @@
+"""The GPUs studied: their figures and XLA's target specs, and compile-only devices made of them."""
