@@ -5,9 +5,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-import configs
 from model import families
 from study import hlo, memory, replay
+from study.figures import STUDY_TFLOPS
 from study.gpus import Gpu
 from runtime.own_program import CompiledMemory
 
@@ -35,7 +35,7 @@ def of_experiment(experiment, compiled_hlo: str, gpu: Gpu, devices: int, keep_sl
     module = hlo.parse_module(compiled_hlo)
     result = replay.replay(module, gpu, devices, efficiency, keep_slices)
     exchanges = None if device_ids is None else exchange_groups(module, gpu, device_ids)
-    return StepPrediction(result, flops, configs.STUDY_TFLOPS.get(experiment.name), gpu,
+    return StepPrediction(result, flops, STUDY_TFLOPS.get(experiment.name), gpu,
                           replay.overlap(module, gpu, devices), exchanges)
 
 
