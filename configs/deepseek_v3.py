@@ -3,8 +3,7 @@
 import dataclasses
 from functools import partial
 
-from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, MeshConfig,
-                     RunConfig, register)
+from configs.settings import ASYNC_LIMIT, LHS, PIPELINED, MeshConfig, RunConfig, experiment
 from model.config import DeepSeekConfig
 
 DEEPSEEK_V3 = DeepSeekConfig(
@@ -26,21 +25,19 @@ PROXY_V3 = dataclasses.replace(
 # an expert group one NVLink domain); bf16 activations (the default), the loss in 8 chunks.
 STUDY_V3 = RunConfig(per_device_batch=8, seq=4096, steps=10, mesh=MeshConfig(fsdp=16, expert=8),
                      preset="dsv3_offload", expert_capacity=1.0, loss_chunks=8, checkpoint_every=0)
-_deepseek = partial(register, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
+_deepseek = partial(experiment, model=DEEPSEEK_V3, proxy_model=PROXY_V3, run=STUDY_V3)
 
-_deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",
-          preset="remat", xla_flags={LHS: "true"})
-_deepseek("deepseek671b-offload-nolhs", "row 2: offload, no LHS, no pipelining, mb 8",
-          xla_flags={LHS: "false"})
-_deepseek("deepseek671b-offload", "rows 3/5: offload + LHS + pipelined transfers, mb 8, "
-          "global 1024", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"})
-_deepseek("deepseek671b-device", "row 4: the same activations saved on device, mb 2, "
-          "global 256", preset="dsv3_device", per_device_batch=2, xla_flags={LHS: "true"})
-_deepseek("deepseek671b-device-mb8", "row 4's note: saved on device at mb 8 (the study "
-          "ran out of memory)", preset="dsv3_device", xla_flags={LHS: "true"})
-
-COMPARISONS["deepseek671b-compare"] = ("deepseek671b-remat", "deepseek671b-offload-nolhs",
-                                       "deepseek671b-offload", "deepseek671b-device")
-# Rows 1-2 from the stated ratios: row 3 is 1.57x row 1 and 1.677x row 2.
-STUDY_TFLOPS.update({"deepseek671b-offload": 908.2, "deepseek671b-remat": 908.2 / 1.57,
-                     "deepseek671b-offload-nolhs": 908.2 / 1.677})
+EXPERIMENTS = (
+    _deepseek("deepseek671b-remat", "row 1: full rematerialization (MaxText's full), mb 8",
+              preset="remat", xla_flags={LHS: "true"}),
+    _deepseek("deepseek671b-offload-nolhs", "row 2: offload, no LHS, no pipelining, mb 8",
+              xla_flags={LHS: "false"}),
+    _deepseek("deepseek671b-offload", "rows 3/5: offload + LHS + pipelined transfers, mb 8, "
+              "global 1024", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
+    _deepseek("deepseek671b-device", "row 4: the same activations saved on device, mb 2, "
+              "global 256", preset="dsv3_device", per_device_batch=2, xla_flags={LHS: "true"}),
+    _deepseek("deepseek671b-device-mb8", "row 4's note: saved on device at mb 8 (the study "
+              "ran out of memory)", preset="dsv3_device", xla_flags={LHS: "true"}),
+)
+COMPARISONS = {"deepseek671b-compare": ("deepseek671b-remat", "deepseek671b-offload-nolhs",
+                                        "deepseek671b-offload", "deepseek671b-device")}

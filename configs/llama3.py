@@ -3,8 +3,7 @@
 import dataclasses
 from functools import partial
 
-from configs import (ASYNC_LIMIT, COMPARISONS, LHS, PIPELINED, STUDY_TFLOPS, MeshConfig,
-                     RunConfig, register)
+from configs.settings import ASYNC_LIMIT, LHS, PIPELINED, MeshConfig, RunConfig, experiment
 from model.config import LlamaConfig
 
 LLAMA31_8B = LlamaConfig(vocab=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -24,43 +23,43 @@ PROXY_405B = _proxy(LLAMA31_405B, n_heads=16, n_kv_heads=1, head_dim=32, d_ff=16
 # (quant=nvfp4's defaults), the loss in 8 chunks (docs/model.md); no checkpoints in 10 steps.
 STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(fsdp=128),
                        quant="nvfp4", loss_chunks=8, checkpoint_every=0)
-_llama405b = partial(register, model=LLAMA31_405B, proxy_model=PROXY_405B, run=STUDY_405B)
+_llama405b = partial(experiment, model=LLAMA31_405B, proxy_model=PROXY_405B, run=STUDY_405B)
 
-_llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
-           preset="remat", xla_flags={LHS: "true"})
-_llama405b("llama405b-offload", "row 2: Q/K/V offloaded to host; LHS on (the study's best)",
-           preset="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"})
-_llama405b("llama405b-offload-nolhs", "row 3: Q/K/V offloaded; latency hiding scheduler off",
-           preset="qkv_offload", xla_flags={LHS: "false"})
-_llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
-           preset="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"})
-# Not a study row: the search's fast model's first on 128 GB200s once, a prediction the replay
-# overturned (docs/search.md); its host bytes need a larger pinned-host pool (docs/clusters.md).
-_llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "
-           "Q and out_proj kept (the fast model's first, once)", per_device_batch=1,
-           placement={"layers.query_proj": "device", "layers.out_proj": "device",
-                      "layers.key_proj": "offload", "layers.value_proj": "offload",
-                      "layers.mlpwi_0": "offload", "layers.mlpwi_1": "offload"},
-           xla_flags={LHS: "true", ASYNC_LIMIT: "8"})
-register("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)", LLAMA31_8B,
-         PROXY_8B, STUDY_405B, mesh=MeshConfig(fsdp=8), preset="qkv_offload", quant="none",
-         xla_flags={LHS: "true"})
-register("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64", LLAMA31_70B, PROXY_70B,
-         STUDY_405B, mesh=MeshConfig(fsdp=64), preset="qkv_offload", quant="none",
-         xla_flags={LHS: "true"})
-# Not a study row (docs/optimizer_state.md): 70B on one 8-GPU host, the AdamW moments in host
-# memory, the activations as `make search-llama70b-8xh200` placed them.
-register("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW moments in "
-         "host memory, activations placed by the search", LLAMA31_70B, PROXY_70B, STUDY_405B,
-         mesh=MeshConfig(fsdp=8), per_device_batch=1, quant="none",
-         preset="remat", optimizer_state="host",
-         placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
-                    "layers.key_proj": "offload", "layers.value_proj": "offload",
-                    "layers.attention_out": "offload", "layers.mlpwi_1": "offload"},
-         xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"})
+EXPERIMENTS = (
+    _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
+               preset="remat", xla_flags={LHS: "true"}),
+    _llama405b("llama405b-offload", "row 2: Q/K/V offloaded to host; LHS on (the study's best)",
+               preset="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
+    _llama405b("llama405b-offload-nolhs", "row 3: Q/K/V offloaded; latency hiding scheduler off",
+               preset="qkv_offload", xla_flags={LHS: "false"}),
+    _llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
+               preset="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
+    # Not a study row: the search's fast model's first on 128 GB200s once, which the replay
+    # overturned (docs/search.md); it needs a larger pinned-host pool (docs/clusters.md).
+    _llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "
+               "Q and out_proj kept (the fast model's first, once)", per_device_batch=1,
+               placement={"layers.query_proj": "device", "layers.out_proj": "device",
+                          "layers.key_proj": "offload", "layers.value_proj": "offload",
+                          "layers.mlpwi_0": "offload", "layers.mlpwi_1": "offload"},
+               xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
+    experiment("llama8b-offload", "Llama 3.1 8B, Q/K/V offloaded, FSDP 8 (one GPU node)",
+               LLAMA31_8B, PROXY_8B, STUDY_405B, mesh=MeshConfig(fsdp=8), preset="qkv_offload",
+               quant="none", xla_flags={LHS: "true"}),
+    experiment("llama70b-offload", "Llama 3.1 70B, Q/K/V offloaded, FSDP 64", LLAMA31_70B,
+               PROXY_70B, STUDY_405B, mesh=MeshConfig(fsdp=64), preset="qkv_offload",
+               quant="none", xla_flags={LHS: "true"}),
+    # Not a study row (docs/optimizer_state.md): 70B on one 8-GPU host, the AdamW moments in
+    # host memory, the activations as `make search-llama70b-8xh200` placed them.
+    experiment("llama70b-8xh200", "Llama 3.1 70B on one host of 8 H200s, FSDP 8, AdamW moments "
+               "in host memory, activations placed by the search", LLAMA31_70B, PROXY_70B,
+               STUDY_405B, mesh=MeshConfig(fsdp=8), per_device_batch=1, quant="none",
+               preset="remat", optimizer_state="host",
+               placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
+                          "layers.key_proj": "offload", "layers.value_proj": "offload",
+                          "layers.attention_out": "offload", "layers.mlpwi_1": "offload"},
+               xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
+)
 
 # The study's Llama table, row by row (make llama405b-compare).
-COMPARISONS["llama405b-compare"] = ("llama405b-baseline", "llama405b-offload",
-                                    "llama405b-offload-nolhs", "llama405b-offload-pipelined")
-STUDY_TFLOPS.update({"llama405b-baseline": 2669, "llama405b-offload": 2746,
-                     "llama405b-offload-nolhs": 2569, "llama405b-offload-pipelined": 2718})
+COMPARISONS = {"llama405b-compare": ("llama405b-baseline", "llama405b-offload",
+                                      "llama405b-offload-nolhs", "llama405b-offload-pipelined")}

@@ -1,7 +1,7 @@
 """A first run on real text: a small Llama trained on Shakespeare's plays on one CPU in two to
 four minutes (make shakespeare; docs/data.md has its numbers)."""
 
-from configs import DataConfig, MeshConfig, OptimizerConfig, RunConfig, register
+from configs.settings import DataConfig, MeshConfig, OptimizerConfig, RunConfig, experiment
 from model.config import LlamaConfig
 
 # 10,059,840 parameters; the vocabulary is the byte-level BPE make shakespeare trains (bpe:4096).
@@ -15,6 +15,6 @@ SHAKESPEARE_RUN = RunConfig(
     data=DataConfig(path="datasets/shakespeare/tokens"), eval_every=40, eval_batches=8,
     checkpoint_every=120, keep=1)
 
-register("shakespeare", "a 10M-parameter Llama on Shakespeare's plays (make shakespeare): "
-         "real text, its val loss against the unigram entropy", SHAKESPEARE_MODEL,
-         SHAKESPEARE_MODEL, SHAKESPEARE_RUN)
+EXPERIMENTS = (experiment("shakespeare", "a 10M-parameter Llama on Shakespeare's plays (make "
+                          "shakespeare): real text, its val loss against the unigram entropy",
+                          SHAKESPEARE_MODEL, SHAKESPEARE_MODEL, SHAKESPEARE_RUN),)

@@ -29,19 +29,15 @@ class LlamaConfig:
 
     def problems(self) -> list[str]:
         """Every impossible setting, one line each; empty when the config is sound."""
-        found = [f"model.{f.name} must be positive, got {getattr(self, f.name)}"
-                 for f in dataclasses.fields(self)
-                 if type(getattr(self, f.name)) in (int, float) and getattr(self, f.name) <= 0]
-        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+        if found := _out_of_range(self):
+            return found
+        if self.n_heads % self.n_kv_heads:
             found.append(f"model.n_heads={self.n_heads} is not divisible by "
                          f"model.n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             found.append(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
-        scaling = self.rope_scaling
-        if scaling and not (0 < scaling.low_freq_factor < scaling.high_freq_factor
-                            and scaling.factor > 0 and scaling.original_max_position > 0):
-            found.append("model.rope_scaling: factor and original_max_position must be "
-                         "positive, and 0 < low_freq_factor < high_freq_factor")
+        if (scaling := self.rope_scaling) and scaling.low_freq_factor >= scaling.high_freq_factor:
+            found.append("model.rope_scaling.low_freq_factor must be below high_freq_factor")
         return found
 
 
@@ -90,28 +86,37 @@ class DeepSeekConfig:
         return self.n_layers - self.n_dense_layers
 
     def problems(self) -> list[str]:
-        found = [f"model.{f.name} must be positive, got {getattr(self, f.name)}"
-                 for f in dataclasses.fields(self) if f.name != "n_dense_layers"
-                 and type(getattr(self, f.name)) in (int, float) and getattr(self, f.name) <= 0]
-        if not 0 < self.n_dense_layers < self.n_layers:
-            found.append(f"model.n_dense_layers={self.n_dense_layers}: at least one dense and "
-                         f"one MoE layer (1..{self.n_layers - 1})")
+        if found := _out_of_range(self):
+            return found
+        if self.n_dense_layers >= self.n_layers:
+            found.append(f"model.n_dense_layers must be below model.n_layers={self.n_layers}")
         if self.v_head_dim > self.qk_nope_dim + self.qk_rope_dim:
             found.append("model.v_head_dim must not exceed qk_nope_dim + qk_rope_dim")
-        yarn = self.rope_scaling
-        if yarn and not (yarn.factor > 0 and yarn.original_max_position > 0
-                         and yarn.beta_fast > yarn.beta_slow > 0):
-            found.append("model.rope_scaling: factor and original_max_position must be "
-                         "positive, and beta_fast > beta_slow > 0")
-        if self.n_groups > 0 and self.n_experts % self.n_groups:
+        if (yarn := self.rope_scaling) and yarn.beta_slow >= yarn.beta_fast:
+            found.append("model.rope_scaling.beta_slow must be below beta_fast")
+        if self.n_experts % self.n_groups:
             found.append(f"model.n_experts={self.n_experts} is not divisible by "
                          f"model.n_groups={self.n_groups}")
         if self.topk_groups > self.n_groups:
             found.append("model.topk_groups exceeds model.n_groups")
-        if self.n_groups > 0 and self.n_experts // self.n_groups < 2:
+        if self.n_experts // self.n_groups < 2:
             found.append("each expert group needs at least 2 experts (groups score by top-2)")
-        if self.experts_per_token > self.topk_groups * (self.n_experts // max(self.n_groups, 1)):
+        if self.experts_per_token > self.topk_groups * (self.n_experts // self.n_groups):
             found.append("model.experts_per_token exceeds the experts of the kept groups")
         if self.qk_rope_dim % 2:
             found.append(f"model.qk_rope_dim={self.qk_rope_dim} must be even")
         return found
+
+
+def _out_of_range(config, prefix: str = "") -> list[str]:
+    """Numbers of `config` (and its groups) out of range: first, lest combinations say it again."""
+    found = []
+    for f in dataclasses.fields(config):
+        key, value = prefix + f.name, getattr(config, f.name)
+        zero_taken = f.name in ("mscale", "mscale_all_dim")  # YaRN's: as None, HF's default
+        if dataclasses.is_dataclass(value):
+            found += _out_of_range(value, key + ".")
+        elif type(value) in (int, float) and not (value >= 0 if zero_taken else value > 0):
+            allowed = ">= 0 (0 or none: Hugging Face's default)" if zero_taken else "> 0"
+            found.append(f"model.{key}={value!r} must be {allowed}")
+    return found

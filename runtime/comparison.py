@@ -12,6 +12,7 @@ from pathlib import Path
 
 import configs
 from configs import ConfigError
+from study.figures import STUDY_TFLOPS
 from runtime.own_program import GiB
 from runtime.report import new_run_dir
 
@@ -86,7 +87,7 @@ def table(name: str, rows: list[dict], folder: Path) -> None:
               "recomputed TFLOP/device"]
     evaluated = any("eval_loss" in row["summary"] for row in rows)
     header += ["eval loss", "eval perplexity"] if evaluated else []
-    first, study_first = rows[0]["summary"]["tflops_per_device"], configs.STUDY_TFLOPS.get(
+    first, study_first = rows[0]["summary"]["tflops_per_device"], STUDY_TFLOPS.get(
         rows[0]["experiment"])
     lines = []
     for row in rows:
@@ -97,7 +98,7 @@ def table(name: str, rows: list[dict], folder: Path) -> None:
                       f"{summary['median_step_s'] * 1e3:.1f}",
                       f"{summary['tflops_per_device']:.3f}",
                       _ratio(summary["tflops_per_device"], first),
-                      _ratio(configs.STUDY_TFLOPS.get(row["experiment"]), study_first),
+                      _ratio(STUDY_TFLOPS.get(row["experiment"]), study_first),
                       "n/a" if peak is None else f"{peak / GiB:.2f}",
                       f"{summary['compiled_host_bytes'] / GiB:.2f}",
                       f"{summary['recomputed_flops_per_device'] / 1e12:.3g}"])

@@ -13,6 +13,8 @@ import pytest
 
 import configs
 import train
+from configs.checks import RANGES
+from model.config import DeepSeekConfig, LlamaConfig
 from runtime import comparison
 from conftest import SMALL, run_cli
 from study import cli as study_cli
@@ -153,15 +155,38 @@ def _numeric_fields(cls, prefix: str = ""):
 
 
 def test_every_numeric_field_has_a_range():
-    """A numeric field added to a run or model config without an entry in configs.RANGES (or
-    an entry for a field that is gone) fails here."""
-    fields = {*_numeric_fields(configs.RunConfig), *_numeric_fields(configs.LlamaConfig, "model."),
-              *_numeric_fields(configs.DeepSeekConfig, "model.")}
-    assert "optimizer.b1" in fields and "model.rope_scaling.mscale" in fields  # nested groups
-    assert fields == set(configs.RANGES)
+    """A numeric run field added without a declared range (configs.checks.RANGES), or a range
+    for a field that is gone, fails here; the model's fields are the model's to check (below)."""
+    fields = set(_numeric_fields(configs.RunConfig))
+    assert "optimizer.b1" in fields  # nested groups
+    assert fields == set(RANGES)
 
 
-# Values each rule of configs.RANGES refuses, and the values at its edges, which it takes.
+MODEL_FIELDS = sorted({*_numeric_fields(LlamaConfig, "model."),
+                       *_numeric_fields(DeepSeekConfig, "model.")})
+# Each model field's values out of its range: 0 and below, but for YaRN's mscales, which take 0
+# (Hugging Face's default, as none does).
+TAKES_ZERO = {"model.rope_scaling.mscale", "model.rope_scaling.mscale_all_dim"}
+
+
+@pytest.mark.parametrize("key", MODEL_FIELDS)
+def test_each_model_field_out_of_its_range_is_one_line(key):
+    """The model's own problems() checks every number it has, its groups' too: each just
+    outside its range is one line, `model.<field>=<value> must be ...`, and nothing else."""
+    assert "model.rope_scaling.mscale" in MODEL_FIELDS and "model.q_lora_rank" in MODEL_FIELDS
+    for value in (-1,) if key in TAKES_ZERO else (0, -1):
+        found = _with(key, value)
+        assert len(found) == 1 and found[0].startswith(f"{key}=") and " must be " in found[0], (
+            value, found)
+
+
+def test_a_model_field_message():
+    assert _with("model.n_heads", 0) == ["model.n_heads=0 must be > 0"]
+    assert _with("model.rope_scaling.mscale", -1) == [
+        "model.rope_scaling.mscale=-1.0 must be >= 0 (0 or none: Hugging Face's default)"]
+
+
+# Values each declared range refuses, and the values at its edges, which it takes (by its words).
 OUTSIDE = {"> 0": (0, -1), ">= 0": (-1,), ">= 1": (0,), "in [0, 1)": (-0.1, 1),
            "in [0, 1]": (-0.1, 1.5), "in [0, 2**63)": (-1, 2**63), "-1 or >= 1": (0, -2)}
 EDGE = {"> 0": (1e-9,), ">= 0": (0,), ">= 1": (1,), "in [0, 1)": (0, 0.999),
@@ -182,27 +207,16 @@ def _with(key: str, value) -> list[str]:
     raise AssertionError(f"no experiment has {key}")
 
 
-# Run fields whose range a more specific check words (configs._expert_problems); and the
-# model fields the model's own problems() leaves to the table.
-ONLY_THE_TABLE = {"model.rope_scaling.mscale", "model.rope_scaling.mscale_all_dim"}
-
-
-@pytest.mark.parametrize("key", configs.RANGES)
+@pytest.mark.parametrize("key", RANGES)
 def test_each_field_out_of_its_range_is_reported(key):
-    """Every field of the table, just outside its range, is refused once: a run field in the
-    one form `key=value must be RANGE`, a model field by the model itself where it says more
-    (its group's line for the RoPE scaling fields), and then not again by the table."""
-    rule = configs.RANGES[key]
-    for value in OUTSIDE[rule.partition(" (")[0]]:
+    """Every run field, just outside its declared range, is refused first in the one form
+    `key=value must be RANGE`."""
+    rule = RANGES[key]
+    for value in OUTSIDE[str(rule).partition(" (")[0]]:
         found = _with(key, value)
         said = [line for line in found if line.startswith(f"{key}=")
                 and line.endswith(f" must be {rule}")]
-        if not key.startswith("model.") or key in ONLY_THE_TABLE:
-            assert said and found[0] == said[0], found
-        else:
-            group = key.rsplit(".", 1)[0]
-            assert key in found[0] or (group != "model" and found[0].startswith(group + ":"))
-            assert not said, found
+        assert said and found[0] == said[0], found
 
 
 def test_the_range_message_form():
@@ -215,7 +229,8 @@ TAKEN = [("global_batch", 0), ("checkpoint_every", 0), ("mesh.fsdp", -1), ("expe
          ("seed", 0), ("seed", 2**63 - 1), ("optimizer.min_lr_ratio", 0),
          ("optimizer.min_lr_ratio", 1), ("optimizer.b1", 0), ("optimizer.b2", 0.999),
          ("optimizer.warmup_steps", 0), ("optimizer.weight_decay", 0), ("router_bias_rate", 0),
-         ("balance_loss_weight", 0), ("model.rope_scaling.mscale", 0)]
+         ("balance_loss_weight", 0), ("model.rope_scaling.mscale", 0),
+         ("model.q_lora_rank", None)]
 REFUSED = [("mesh.expert", 0), ("mesh.data", 0), ("mesh.fsdp", 0), ("seed", 2**63),
            ("optimizer.b1", 1), ("optimizer.b2", 1), ("optimizer.min_lr_ratio", 1.01),
            ("optimizer.lr", 0), ("optimizer.clip_norm", 0), ("keep", 0), ("steps", 0),
@@ -227,11 +242,11 @@ def test_the_ranges_keep_their_meaning(key, value):
     assert (_with(key, value) == []) == ((key, value) in TAKEN)
 
 
-@pytest.mark.parametrize("key", [k for k in configs.RANGES if not k.startswith("model.")])
+@pytest.mark.parametrize("key", RANGES)
 def test_each_run_field_at_the_edge_of_its_range_is_taken(key):
     """The values with a meaning (global_batch=0, checkpoint_every=0, mesh.fsdp=-1,
     expert_capacity=0, the last numpy seed, b1=0, min_lr_ratio=1, ...) are accepted."""
-    for value in EDGE[configs.RANGES[key].partition(" (")[0]]:
+    for value in EDGE[str(RANGES[key]).partition(" (")[0]]:
         assert _with(key, value) == [], value
 
 

@@ -1,4 +1,4 @@
-"""Every run setting is declared once beside its field (configs `setting`): its range or
+"""Every run setting is declared once beside its field (configs.settings `setting`): its range or
 choices, its resume rule and the header row that shows it; the row does show it."""
 
 import dataclasses
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import jax
 
-import configs
 from configs import MeshConfig
+from configs.checks import CHOICES, _value
+from configs.settings import declared
 from runtime import header, report
 from runtime.setup import resolve
 from trainer.program import forward_options
@@ -32,8 +33,8 @@ def _header(setup, devices) -> dict[str, str]:
 
 def _other(key: str, value):
     """A value of a setting other than `value` (its header need not make sense of it)."""
-    if key in configs.CHOICES:
-        return next(c for c in configs.CHOICES[key] if c != value)
+    if key in CHOICES:
+        return next(c for c in CHOICES[key] if c != value)
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
@@ -61,12 +62,12 @@ def test_every_run_setting_is_shown_in_the_header_row_it_declares():
                                 data=types.SimpleNamespace(describe=lambda: "tokens",
                                                            unigram_entropy=None, val=val))
     whole = dataclasses.replace(split, run=dataclasses.replace(split.run, mesh=MeshConfig()))
-    for key, meta in configs.declared():
+    for key, meta in declared():
         assert meta["shown"] in header.ROWS, key
         if key in RESOLVED:
             continue
         base = whole if key == "expert_path" else split
         before = _header(base, devices)
-        changed = _replaced(base.run, key, _other(key, configs._value(base.run, key)))
+        changed = _replaced(base.run, key, _other(key, _value(base.run, key)))
         after = _header(dataclasses.replace(base, run=changed), devices)
         assert after[meta["shown"]] != before[meta["shown"]], key

@@ -23,6 +23,7 @@ from study.programs import hlo
 from study.timing import predicted_step
 from study.compiling.compiled_row import compile_row
 from study.hardware.gpus import gpu_of
+from study.figures import STUDY_TFLOPS
 
 USAGE = "step-times [--hlo DIR] [EXPERIMENT ...]"
 
@@ -95,7 +96,7 @@ def predict(name: str, text: str, efficiency=None, **changes) -> predicted_step.
 def fit(cls: str, name: str, text: str) -> str:
     """Bisect the class's efficiency in (0, 1] until the row replays at the study's figure."""
     gpu = gpu_of(name)
-    target = configs.STUDY_TFLOPS[name]
+    target = STUDY_TFLOPS[name]
     at = lambda share: predict(name, text, {**gpu.efficiency, cls: share}).tflops  # noqa: E731
     peak = at(1.0)
     if peak < target:
@@ -131,7 +132,7 @@ def main(argv: list[str]) -> int:
     print("\n| the study's claim | study | replayed | within 3 points |\n|---|---|---|---|")
     for what, top, bottom in RATIOS:
         if top in found and bottom in found:
-            study = configs.STUDY_TFLOPS[top] / configs.STUDY_TFLOPS[bottom]
+            study = STUDY_TFLOPS[top] / STUDY_TFLOPS[bottom]
             ours = found[top].tflops / found[bottom].tflops
             words = (lambda x: f"{x:.3f}x") if study > 1.2 else (lambda x: f"{x - 1:+.1%}")
             print(f"| {what} | {words(study)} | {words(ours)} | "

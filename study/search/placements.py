@@ -19,6 +19,7 @@ import configs
 from study.plan import memory_plan, printed
 from study.search import ranking
 from study.plan.traced_step import TracedStep, traced_step
+from study.figures import STUDY_TFLOPS
 from configs import LHS, PIPELINED, ConfigError, Experiment
 from study.hardware.gpus import GPUS, Gpu
 from model import families
@@ -241,7 +242,7 @@ def placement_text(candidate: ranking.Candidate, scans) -> str:
 
 def _line(p: ranking.Prediction, rank: str, scans) -> str:
     c, t = p.candidate, p.terms
-    study = configs.STUDY_TFLOPS.get(c.row)
+    study = STUDY_TFLOPS.get(c.row)
     return (f"{rank:>5} {c.batch:>3} {str(c.schedule):<14}{p.device_bytes / GiB:>8.1f}"
             f"{p.host_bytes / GiB:>8.1f}{p.step_s:>8.2f}{p.tflops:>9.0f}"
             f"{'' if study is None else f'{study:.0f}':>7}{t.recompute_s:>8.2f}{t.host_s:>7.2f}"
@@ -279,14 +280,14 @@ def best_lines(result: Result, scans) -> list[str]:
     best = result.ranked[0]
     if not best.fits:
         return ["no candidate fits"]
-    measured = [p for p in result.rows if p.candidate.row in configs.STUDY_TFLOPS]
+    measured = [p for p in result.rows if p.candidate.row in STUDY_TFLOPS]
     lines = []
     if measured:
-        row = max(measured, key=lambda p: configs.STUDY_TFLOPS[p.candidate.row])
+        row = max(measured, key=lambda p: STUDY_TFLOPS[p.candidate.row])
         lines.append(f"best: {best.tflops:,.0f} TFLOP/s/device predicted, "
                      f"{best.tflops / row.tflops - 1:+.1%} over the study's best row "
                      f"{row.candidate.row} as predicted ({row.tflops:,.0f}; measured "
-                     f"{configs.STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
+                     f"{STUDY_TFLOPS[row.candidate.row]:,.0f} on GB200)")
     lines += printed.host_pool_warning(best.host_bytes, GPUS[result.hw.name])
     return lines + ["run it: python train.py " + " ".join(
         [result.experiment.name, *ranking.overrides(best.candidate, scans)])]
@@ -311,7 +312,7 @@ def verified_lines(found: list[Verified], capacity: int) -> list[str]:
              f"{'replayed':>9}{'fast':>7}{'study':>7}{'device':>8}{'host':>7}  fit   what "
              "(TFLOP/s/device; GiB per device as compiled)"]
     for v in sorted(found, key=lambda v: -v.replayed.tflops):
-        study = configs.STUDY_TFLOPS.get(v.what)
+        study = STUDY_TFLOPS.get(v.what)
         lines.append(f"{v.replayed.tflops:>9,.0f}{v.prediction.tflops:>7,.0f}"
                      f"{'' if study is None else f'{study:,.0f}':>7}"
                      f"{v.compiled.device / GiB:>8.1f}{v.compiled.host / GiB:>7.1f}  "

@@ -6,12 +6,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-import configs
 from model import families
 from study.plan import memory_plan
 from study.programs import hlo
 from study.timing import replay
 from study.hardware.gpus import Gpu
+from study.figures import STUDY_TFLOPS
 from runtime.own_program import CompiledMemory
 
 
@@ -38,7 +38,7 @@ def of_experiment(experiment, compiled_hlo: str, gpu: Gpu, devices: int, keep_sl
     module = hlo.parse_module(compiled_hlo)
     result = replay.replay(module, gpu, devices, efficiency, keep_slices)
     exchanges = None if device_ids is None else exchange_groups(module, gpu, device_ids)
-    return StepPrediction(result, flops, configs.STUDY_TFLOPS.get(experiment.name), gpu,
+    return StepPrediction(result, flops, STUDY_TFLOPS.get(experiment.name), gpu,
                           replay.overlap(module, gpu, devices), exchanges)
 
 
