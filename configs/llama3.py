@@ -38,7 +38,7 @@ EXPERIMENTS = (
     # overturned (docs/search.md); it needs a larger pinned-host pool (docs/clusters.md).
     _llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "
                "Q and out_proj kept (the fast model's first, once)", per_device_batch=1,
-               placement={"layers.query_proj": "device", "layers.out_proj": "device",
+               tag_changes={"layers.query_proj": "device", "layers.out_proj": "device",
                           "layers.key_proj": "offload", "layers.value_proj": "offload",
                           "layers.mlpwi_0": "offload", "layers.mlpwi_1": "offload"},
                xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
@@ -54,7 +54,7 @@ EXPERIMENTS = (
                "in host memory, activations placed by the search", LLAMA31_70B, PROXY_70B,
                STUDY_405B, mesh=MeshConfig(fsdp=8), per_device_batch=1, quant="none",
                preset="remat", optimizer_state="host",
-               placement={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
+               tag_changes={"layers.mlpwi_0": "device", "layers.query_proj": "offload",
                           "layers.key_proj": "offload", "layers.value_proj": "offload",
                           "layers.attention_out": "offload", "layers.mlpwi_1": "offload"},
                xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),

@@ -74,7 +74,7 @@ def apply_overrides(model: ModelConfig, run: RunConfig, overrides: Mapping[str, 
         if path[0] == "model" and len(path) > 1:
             model = _set(model, path[1:], text, key)
         elif path[0] == "placement" and len(path) in (2, 3):  # .<tag>, .<scan>.<tag>
-            run = _set(run, ["placement", ".".join(path[1:])], text, key)
+            run = _set(run, ["tag_changes", ".".join(path[1:])], text, key)
         else:
             run = _set(run, path, text, key)
     return model, run

@@ -114,8 +114,9 @@ class RunConfig:
     mesh: MeshConfig = setting(MeshConfig(), shown="devices")
     # A named placement (offload/activations.py); none: no checkpointing.
     preset: str = setting("remat", shown="placement")
-    # placement.<tag>=device|offload|remat (or .<scan>.<tag>), over the preset
-    placement: Mapping[str, str] = setting(dict, shown="placement")
+    # Changes to the preset's placement, one tag each: placement.<tag>=device|offload|remat
+    # (or .<scan>.<tag>) on the command line.
+    tag_changes: Mapping[str, str] = setting(dict, shown="placement")
     xla_flags: Mapping[str, str] = setting(dict, shown="xla flags")  # GPU only
     quant: str = setting("none", ("none", "nvfp4"), resume="same", shown="kernels")
     # Weight block scales per 16x16 tile (TE's recipe) or 1x16 block.

@@ -104,14 +104,14 @@ def _optimizer_words(setup) -> str:
 
 
 def _placement_words(setup) -> str:
-    run, tables = setup.run, setup.placement
+    run, placement = setup.run, setup.placement
     state = f"; optimizer state on {run.optimizer_state}"
-    if tables is None:
+    if placement is None:
         return "none: no checkpointing, autodiff keeps every residual on device" + state
-    changes = ", ".join(f"{k}={v}" for k, v in run.placement.items())
+    changes = ", ".join(f"{k}={v}" for k, v in run.tag_changes.items())
     return (f"{run.preset}{f' with {changes}' if changes else ''}: " + "; ".join(
         f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
-        for scan, table in tables.items()) + "; all else remat" + state)
+        for scan, table in placement.items()) + "; all else remat" + state)
 
 
 def _data_words(setup, batch_size: int) -> str:

@@ -145,11 +145,11 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
 
 def resolve_placement(model, run: configs.RunConfig) -> dict | None:
     if run.preset == activations.NO_CHECKPOINT:
-        if run.placement:
+        if run.tag_changes:
             raise ConfigError("placement.<tag> overrides need a preset, not preset=none")
         return None
     try:
-        return activations.resolve(run.preset, run.placement, families.of(model).SCANS)
+        return activations.resolve(run.preset, run.tag_changes, families.of(model).SCANS)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -400,7 +400,7 @@ def test_overrides_are_typed_by_their_field():
         "placement.layers.mlpwo": "offload", "model.rope_scaling": "none"})
     assert (run.steps, run.profile, run.optimizer.lr, run.mesh.fsdp) == (7, True, 0.5, 4)
     assert run.xla_flags["xla_gpu_enable_latency_hiding_scheduler"] == "false"
-    assert run.placement == {"layers.mlpwo": "offload"} and model.rope_scaling is None
+    assert run.tag_changes == {"layers.mlpwo": "offload"} and model.rope_scaling is None
 
 
 def test_an_empty_out_dir_is_one_line(tmp_path, capsys, monkeypatch):

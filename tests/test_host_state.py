@@ -87,7 +87,7 @@ def test_the_search_weighs_the_state_placement():
     found = ranking.search({1: work}, hw, [ranking.Schedule(True)])
     by_state = {}
     for p in found:
-        by_state.setdefault((p.candidate.tables, p.candidate.optimizer_state), p)
+        by_state.setdefault((p.candidate.placement, p.candidate.optimizer_state), p)
     for (tables, state), p in by_state.items():
         if state == "device":
             continue

@@ -122,8 +122,8 @@ def family_of(experiment) -> str:
 
 
 # The rows with their own tag changes over a preset: (family, preset, changes).
-CHANGED = [(family_of(e), e.run.preset, e.run.placement) for e in configs.EXPERIMENTS.values()
-           if e.run.placement]
+CHANGED = [(family_of(e), e.run.preset, e.run.tag_changes) for e in configs.EXPERIMENTS.values()
+           if e.run.tag_changes]
 
 
 @pytest.mark.parametrize("name, preset, changes", [
@@ -151,7 +151,7 @@ def test_every_rows_placement_is_one_exported_above():
     """(So the rows `make test-gpu-compile` does not compile for a GPU still have their
     placement checked on an exported program: tests/test_gpu_compile.py.)"""
     for experiment in configs.EXPERIMENTS.values():
-        if not experiment.run.placement:  # (those with changes are exported as they are)
+        if not experiment.run.tag_changes:  # (those with changes are exported as they are)
             assert experiment.run.preset in EXPORTED[family_of(experiment)][1], experiment.name
 
 

@@ -161,7 +161,7 @@ def test_every_experiment_is_sound_at_both_scales(name, scale):
     devices = run.mesh.devices if scale == "full" else 8
     assert configs.problems(model, run, devices) == []
     if run.preset != activations.NO_CHECKPOINT:
-        activations.resolve(run.preset, run.placement, families.of(model).SCANS)
+        activations.resolve(run.preset, run.tag_changes, families.of(model).SCANS)
 
 
 def test_rows_that_differ_in_placement_and_flags_share_one_traced_step(monkeypatch):

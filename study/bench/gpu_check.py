@@ -47,12 +47,13 @@ SMOKE_RUN = ["steps=3", "seq=32", "model.n_layers=2", "model.vocab=512", "model.
              "model.d_ff=256", "quant=none"]
 
 
-def value_and_grad_fn(model, tables, dtype, run):
+def value_and_grad_fn(model, placement, dtype, run):
     """Forward + backward as a run here computes it (the trainer's loss: cuDNN's fused attention
     on a GPU in bf16, the run's NVFP4 path), with its flags, over whole sequences (no chunks)."""
     target = trainer_target.this_machine()
     run = dataclasses.replace(run, compute_dtype=jnp.dtype(dtype).name, loss_chunks=1)
-    loss = program.make_loss(model, run, program.forward_options(model, run, tables, None, target))
+    options = program.forward_options(model, run, placement, None, target)
+    loss = program.make_loss(model, run, options)
     return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]),
                    compiler_options=trainer_target.compiler_options(run, target) or None)
 

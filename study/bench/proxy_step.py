@@ -64,13 +64,13 @@ def proxy_params(model):
 
 
 def step_time(model, run, preset: str, repeats: int) -> float:
-    tables = None if preset == activations.NO_CHECKPOINT else activations.resolve(
+    placement = None if preset == activations.NO_CHECKPOINT else activations.resolve(
         preset, {}, families.of(model).SCANS)
     params = proxy_params(model)
     optimizer = trainer_step.make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
     run = dataclasses.replace(run, optimizer_state="device")  # where `state` is made here
-    options = program.forward_options(model, run, tables, None, trainer_target.this_machine())
+    options = program.forward_options(model, run, placement, None, trainer_target.this_machine())
     step = jax.jit(partial(trainer_step.train_step, model=model, run=run, options=options),
                    donate_argnums=0)
     batch = jnp.asarray(SyntheticTokens(model.vocab, 0).batch(0, run.per_device_batch, run.seq))

@@ -21,7 +21,7 @@ from study.programs.jaxpr import Residual, Tagged
 class TagLine:
     """One tag of the per-device, per-layer program, with its placement."""
     value: Tagged
-    placement: str  # what the table asks: device, offload or remat
+    where: str  # what the placement asks for the tag: device, offload or remat
     needed: bool  # does the backward pass use it at all (else no placement changes anything)
     offloaded: bool  # what the exported GPU program asks (JAX's annotations)
     in_host_memory: bool | None = None  # what the compiled GPU program does; None: not compiled
@@ -99,35 +99,36 @@ def host_state_buffers(step: TracedStep) -> set[tuple]:
             for leaf in jax.tree.leaves(step.state["opt_state"]) if leaf.ndim > 1}
 
 
-def tag_lines(step: TracedStep, tables: dict | None,
+def tag_lines(step: TracedStep, placement: dict | None,
               compiled_hlo: str | None = None) -> list[TagLine]:
     """Every tag of every layer scan as the exported GPU program places it (given its HLO, XLA)."""
-    exported = step.exported(tables)
+    exported = step.exported(placement)
     in_host = None  # (scan, tag) -> the addressing proof of its host buffer
     if compiled_hlo is not None:
-        in_host = offload_proof.compiled_host_buffers(compiled_hlo, step.moved(tables),
+        in_host = offload_proof.compiled_host_buffers(compiled_hlo, step.moved(placement),
                                                   host_state_buffers(step))
-    tables = tables or {}
-    return [TagLine(s, tables.get(s.scan, {}).get(s.tag, "remat"), (s.scan, s.tag) in step.needed,
+    placement = placement or {}
+    return [TagLine(s, placement.get(s.scan, {}).get(s.tag, "remat"),
+                    (s.scan, s.tag) in step.needed,
                     (s.scan, s.tag) in exported,
                     None if in_host is None else (s.scan, s.tag) in in_host,
                     None if in_host is None else in_host.get((s.scan, s.tag)))
             for s in step.sites]
 
 
-def full_scale(experiment: Experiment, gpu: Gpu, tables: dict | None,
+def full_scale(experiment: Experiment, gpu: Gpu, placement: dict | None,
                compiled_hlo: str | None = None) -> MemoryPlan:
-    """The experiment's full-scale plan on `gpu`s under these tables (given compiled HLO,
+    """The experiment's full-scale plan on `gpu`s under these placement (given compiled HLO,
     XLA's placement)."""
     run = experiment.run
     step = traced_step(experiment.model, run, run.mesh.shape(run.mesh.devices))
-    return plan(step, tables, tag_lines(step, tables, compiled_hlo), pool_bytes(gpu),
+    return plan(step, placement, tag_lines(step, placement, compiled_hlo), pool_bytes(gpu),
                 gpu.host_memory)
 
 
-def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: int,
+def plan(step: TracedStep, placement: dict | None, tags: list[TagLine], capacity: int,
          host_capacity: int) -> MemoryPlan:
-    """The static memory plan of `step` under `tables`, per device."""
+    """The static memory plan of `step` under `placement`, per device."""
     # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
     shapes = {spec.shape for spec in jax.tree.leaves(step.specs) if not step.split_by_expert(spec)}
     return MemoryPlan(
@@ -135,7 +136,7 @@ def plan(step: TracedStep, tables: dict | None, tags: list[TagLine], capacity: i
         grads=per_device_bytes(step.state["params"]),
         optimizer=per_device_bytes(step.state["opt_state"]),
         tags=tags,
-        residuals=per_device_residuals(step.residuals(tables), shapes, step.shards),
+        residuals=per_device_residuals(step.residuals(placement), shapes, step.shards),
         layers=tuple(step.layers.values()),
         # The layer casts its weights to the compute dtype, so their gradients arrive (and are
         # reduce-scattered) in it; only a device's shard becomes param_dtype.

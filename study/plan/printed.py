@@ -44,7 +44,7 @@ def placement_lines(lines: list[memory_plan.TagLine]) -> list[str]:
         v = line.value
         shape = "x".join(map(str, v.shape)) + f" {jnp.dtype(v.dtype).name}"
         out.append(f"{v.scan:<13}{v.tag:<20}{shape:<26}{_size(v.nbytes):>9}  "
-                   f"{line.placement:<8} {_verdict(line)}")
+                   f"{line.where:<8} {_verdict(line)}")
     for scan in dict.fromkeys(line.value.scan for line in lines):
         moved = [line.value for line in lines if line.value.scan == scan and (
             line.in_host_memory if compiled else line.offloaded)]
@@ -76,7 +76,7 @@ def _verdict(line: memory_plan.TagLine) -> str:
         return "NOT IN HOST MEMORY: annotated for pinned_host, but XLA kept it on device"
     if line.value.tag == activations.LAYER_INPUT:
         return "kept on device: a checkpointed layer always keeps its input"
-    return {"device": "stays on device", "remat": "recomputed"}.get(line.placement, "NOT OFFLOADED")
+    return {"device": "stays on device", "remat": "recomputed"}.get(line.where, "NOT OFFLOADED")
 
 
 def plan_lines(name: str, run: RunConfig, gpu: Gpu, plan: memory_plan.MemoryPlan) -> list[str]:

@@ -29,20 +29,20 @@ from trainer.step import make_optimizer, train_step
 from trainer.target import ANY
 
 
-def freeze(tables: dict | None):
+def freeze(placement: dict | None):
     """A placement (scan -> {tag: place}, or None) as a hashable key."""
-    return None if tables is None else tuple(
-        (s, tuple(sorted(t.items()))) for s, t in sorted(tables.items()))
+    return None if placement is None else tuple(
+        (s, tuple(sorted(t.items()))) for s, t in sorted(placement.items()))
 
 
 def _traced_once(view):
     """A view of the step under a placement, traced on first use and kept (on the step: the
     cache of traced_step() below holds the steps)."""
     @functools.wraps(view)
-    def kept(self, *tables: dict | None):
-        key = (view.__name__, *map(freeze, tables))
+    def kept(self, *placement: dict | None):
+        key = (view.__name__, *map(freeze, placement))
         if key not in self._traced:
-            self._traced[key] = view(self, *tables)
+            self._traced[key] = view(self, *placement)
         return self._traced[key]
     return kept
 
@@ -79,13 +79,15 @@ class TracedStep:
         shape[spec.axes.index("experts")] //= self.expert
         return dataclasses.replace(spec, shape=tuple(shape))
 
-    def options(self, tables: dict | None, rules: AxisRules | None = None):
-        """The forward under `tables` as a GPU runs it (target "any"): sharded, or one device's."""
-        return program.forward_options(self.model, self.run, tables, rules, ANY)
+    def options(self, placement: dict | None, rules: AxisRules | None = None):
+        """The forward under `placement` as a GPU runs it (target "any"): sharded, or one
+        device's."""
+        return program.forward_options(self.model, self.run, placement, rules, ANY)
 
-    def loss(self, tables: dict | None, rules: AxisRules | None = None):
-        """The loss under `tables` of (params, batch): the sharded step's, or one device's alone."""
-        with_aux = program.make_loss(self.model, self.run, self.options(tables, rules))
+    def loss(self, placement: dict | None, rules: AxisRules | None = None):
+        """The loss under `placement` of (params, batch): the sharded step's, or one device's
+        alone."""
+        with_aux = program.make_loss(self.model, self.run, self.options(placement, rules))
         return lambda params, batch: with_aux(params, batch)[0]
 
     @property
@@ -104,27 +106,27 @@ class TracedStep:
         return {(v.scan, v.tag) for v in self.moved(everything)}
 
     @_traced_once
-    def moved(self, tables: dict | None) -> list[jaxpr.Tagged]:
-        """The values one device's step moves to host memory under `tables`."""
-        grad = jax.make_jaxpr(jax.grad(self.loss(tables)))(self.local_params, self.local_batch)
+    def moved(self, placement: dict | None) -> list[jaxpr.Tagged]:
+        """The values one device's step moves to host memory under `placement`."""
+        grad = jax.make_jaxpr(jax.grad(self.loss(placement)))(self.local_params, self.local_batch)
         return [v for values in tagged_in(grad.jaxpr, offloaded=True).values() for v in values]
 
     @_traced_once
-    def residuals(self, tables: dict | None) -> list[jaxpr.Residual]:
-        """What one device's backward pass keeps from its forward pass under `tables`."""
-        return jaxpr.saved_residuals(self.loss(tables), self.local_params, self.local_batch)
+    def residuals(self, placement: dict | None) -> list[jaxpr.Residual]:
+        """What one device's backward pass keeps from its forward pass under `placement`."""
+        return jaxpr.saved_residuals(self.loss(placement), self.local_params, self.local_batch)
 
     @_traced_once
-    def exported(self, tables: dict | None) -> set[tuple[str, str]]:
-        """(scan, tag) the sharded step exported for a GPU offloads under `tables` (verified)."""
+    def exported(self, placement: dict | None) -> set[tuple[str, str]]:
+        """(scan, tag) the sharded step exported for a GPU offloads under `placement` (verified)."""
         step = jax.jit(partial(train_step, model=self.model, run=self.run,
-                               options=self.options(tables, self.rules)), donate_argnums=0)
+                               options=self.options(placement, self.rules)), donate_argnums=0)
         return offload_proof.verify_offloads(step, self.state, self.batch)
 
     @_traced_once
-    def work(self, tables: dict | None) -> jaxpr.Work:
-        """Dot FLOPs and all-to-all bytes of the sharded gradient under `tables`, per device."""
-        return jaxpr.work(jax.grad(self.loss(tables, self.rules)), self.state["params"],
+    def work(self, placement: dict | None) -> jaxpr.Work:
+        """Dot FLOPs and all-to-all bytes of the sharded gradient under `placement`, per device."""
+        return jaxpr.work(jax.grad(self.loss(placement, self.rules)), self.state["params"],
                           self.batch, devices=self.devices)
 
     def gathered_layer_bytes(self, scan: str) -> int:
@@ -164,7 +166,7 @@ _STEPS: dict[tuple, TracedStep] = {}
 
 def traced_step(model, run: RunConfig, mesh_shape: tuple[int, int, int]) -> TracedStep:
     """One TracedStep per model, run and mesh, its traces shared by every tool that asks (the
-    rows and placements of one model differ in tables, each traced once per step)."""
+    rows and placements of one model differ in placement, each traced once per step)."""
     key = (model, repr(run), tuple(mesh_shape))
     if key not in _STEPS:
         _STEPS[key] = TracedStep(model, run, mesh_shape)

@@ -74,14 +74,14 @@ class Tracer:
         expert = expert or self.run.mesh.expert
         data, fsdp, _ = self.mesh(expert)
         mesh = dataclasses.replace(self.run.mesh, fsdp=fsdp, expert=expert)
-        run = dataclasses.replace(self.run, preset="", placement={}, xla_flags={},
+        run = dataclasses.replace(self.run, preset="", tag_changes={}, xla_flags={},
                                   per_device_batch=batch, global_batch=0, mesh=mesh)
         return traced_step(self.model, run, (data, fsdp, expert))
 
-    def recompute(self, batch: int, tables: dict, expert: int = 0) -> dict:
-        """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `tables`."""
+    def recompute(self, batch: int, placement: dict, expert: int = 0) -> dict:
+        """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `placement`."""
         step = self.step(batch, expert)
-        base, own = step.work(None), step.work(tables)
+        base, own = step.work(None), step.work(placement)
         return {s: tuple((getattr(own, f).get((s, "backward"), 0.0)
                           - getattr(base, f).get((s, "backward"), 0.0)) / step.layers[s]
                          for f in ("flops", "exchanged")) for s in self.scans}
@@ -137,11 +137,11 @@ class Tracer:
 
 
 def row_candidate(tracer: Tracer, row: Experiment) -> ranking.Candidate:
-    tables = resolve_placement(row.model, row.run)
+    placement = resolve_placement(row.model, row.run)
     flags = row.run.xla_flags
     schedule = ranking.Schedule(flags.get(LHS) == "true", flags.get(PIPELINED) == "true")
     mesh = tracer.mesh(row.run.mesh.expert) if tracer.moe else None
-    return ranking.make_candidate(row.run.per_device_batch, tables, schedule, row.name,
+    return ranking.make_candidate(row.run.per_device_batch, placement, schedule, row.name,
                                   row.run.optimizer_state, mesh)
 
 
@@ -152,10 +152,10 @@ def hardware(gpu: Gpu, devices: int) -> ranking.Hardware:
 
 
 def exact(tracer: Tracer, candidate: ranking.Candidate, hw: ranking.Hardware):
-    tables = {s: candidate.table(s) for s in tracer.scans}
+    placement = {s: candidate.table(s) for s in tracer.scans}
     expert = candidate.mesh[2] if candidate.mesh else 0
     return ranking.predict(candidate, tracer.workload(candidate.batch, expert, savings=False),
-                           hw, tracer.recompute(candidate.batch, tables, expert))
+                           hw, tracer.recompute(candidate.batch, placement, expert))
 
 
 @dataclasses.dataclass

@@ -105,20 +105,20 @@ class Schedule:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     batch: int
-    tables: tuple  # ((scan, ((tag, place), ...)), ...): hashable; absent tags are remat
+    placement: tuple  # ((scan, ((tag, place), ...)), ...): hashable; absent tags are remat
     schedule: Schedule
     row: str = ""  # the study row it is, if any
     optimizer_state: str = "device"  # or "host" (offload/optimizer_state.py)
     mesh: tuple[int, int, int] | None = None  # (data, fsdp, expert), when searched
 
     def table(self, scan: str) -> dict:
-        return dict(dict(self.tables).get(scan, ()))
+        return dict(dict(self.placement).get(scan, ()))
 
 
-def make_candidate(batch: int, tables: dict, schedule: Schedule, row: str = "",
+def make_candidate(batch: int, placement: dict, schedule: Schedule, row: str = "",
                    optimizer_state: str = "device", mesh=None) -> Candidate:
     frozen = tuple((s, tuple(sorted((t, p) for t, p in table.items() if p != "remat")))
-                   for s, table in sorted(tables.items()))
+                   for s, table in sorted(placement.items()))
     return Candidate(batch, frozen, schedule, row, optimizer_state, mesh)
 
 
@@ -232,19 +232,19 @@ def _finish(candidate, work: Workload, hw: Hardware, terms: Terms, exact: bool) 
 
 
 def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
-    """Placement tables of one scan: every one, or (`exhaustive` False) the tags ordered by
+    """Placements of one scan: every one, or (`exhaustive` False) the tags ordered by
     recompute FLOPs saved per byte kept, the first j on the device and the next k offloaded:
     where bytes are scarce, the tags that buy the most recompute per byte go first."""
     first, rest = scan.tags[0], scan.tags[1:]
     if exhaustive:
-        tables = [dict(zip([t.name for t in rest], c))
+        options = [dict(zip([t.name for t in rest], c))
                   for c in itertools.product(PLACES, repeat=len(rest))]
     else:
         order = sorted(rest, key=lambda t: t.saved_flops / max(t.nbytes, 1), reverse=True)
-        tables = [{t.name: "device" for t in order[:j]}
+        options = [{t.name: "device" for t in order[:j]}
                   | {t.name: "offload" for t in order[j:j + k]}
                   for j in range(len(order) + 1) for k in range(len(order) - j + 1)]
-    return [{first.name: p, **t} for p in ("device", "offload") for t in tables]
+    return [{first.name: p, **t} for p in ("device", "offload") for t in options]
 
 
 def _front(options: list) -> list:
@@ -262,7 +262,7 @@ def _front(options: list) -> list:
 
 def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Prediction]:
     """Every candidate over `works` (per micro batch and mesh) and `schedules`, ranked; recompute
-    summed per tag, each scan's dominated tables pruned first (Terms add up over scans)."""
+    summed per tag, each scan's dominated placements pruned first (Terms add up over scans)."""
     found = []
     for work in works.values():
         exhaustive = max(2 * 3 ** (len(s.tags) - 1) for s in work.scans) <= EXHAUSTIVE
@@ -271,9 +271,9 @@ def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Predict
             fronts = [_front([(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
                               for t in per_scan[s.name]]) for s in work.scans]
             for combo, state in itertools.product(itertools.product(*fronts), STATES):
-                tables = {s.name: t for s, (t, _) in zip(work.scans, combo)}
+                placement = {s.name: t for s, (t, _) in zip(work.scans, combo)}
                 terms = sum((a for _, a in combo), Terms())
-                found.append(_finish(make_candidate(work.batch, tables, sched, "", state,
+                found.append(_finish(make_candidate(work.batch, placement, sched, "", state,
                                                     work.mesh), work, hw, terms, False))
     return rank(found)
 
