@@ -57,8 +57,8 @@ def train(setup: Setup, target: Target) -> dict:
         run_dir.write("config.json", report.config_record(setup, program))
         report.say("\n".join(header.lines(setup, program, readings, run_dir, done + 1)))
         tensorboard = report.tensorboard(run_dir, run)  # its folder: process 0, if asked for
-        log = report.StepLog(setup, readings, run_dir, tensorboard, program.batch_size * run.seq,
-                             first_step=done + 1)
+        log = report.StepLog(run, readings, run_dir, tensorboard, program.batch_size * run.seq,
+                             setup.data.unigram_entropy, first_step=done + 1)
         saver = checkpoints.Saver(run_dir.checkpoints, run.keep, run.checkpoint_every)
         try:
             last = loop(program, setup, state, done, log, saver, stop)
@@ -163,7 +163,6 @@ def fit(args: list[str], target: Target) -> int:
     if not args or "=" in args[0]:
         raise ConfigError("usage: python train.py fit EXPERIMENT [key=value ...]")
     name, words, common = args[0], args[1:], []
-    configs.parse_overrides(words)
     for row in configs.COMPARISONS.get(name, (name,)):
         setup = resolve(row, [*words, *common], target.devices)
         if setup.scale != "fit":
@@ -227,8 +226,6 @@ def main(argv: list[str]) -> int:
             return 0
         if what == "prepare":  # text to tokens: no JAX
             return prepare.main(args)
-        if what not in ("export", "sample", "fit"):
-            configs.parse_overrides(args)  # a word that is not key=value, before JAX starts
         if name in configs.COMPARISONS:
             return compare(name, args)
         distributed.initialize()  # before the backend starts: multi-host runs join here

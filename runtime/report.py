@@ -146,11 +146,12 @@ class Profile:
 class StepLog:
     """Each step's line (process 0), metrics.jsonl record and TensorBoard scalars; the summary."""
 
-    def __init__(self, setup, readings: own_program.Readings, run_dir: RunDir, tensorboard,
-                 tokens: int, first_step: int):
-        self.run, self.readings, self.run_dir = setup.run, readings, run_dir
+    def __init__(self, run, readings: own_program.Readings, run_dir: RunDir, tensorboard,
+                 tokens: int, entropy: float | None, first_step: int):
+        """`tokens` per step; `entropy`: the train split's unigram entropy (None: synthetic)."""
+        self.run, self.readings, self.run_dir = run, readings, run_dir
         self.tokens, self.first_step, self.tensorboard = tokens, first_step, tensorboard
-        self.entropy = setup.data.unigram_entropy
+        self.entropy = entropy
         self.times: list[float] = []
         self.evaluated: dict[str, float] = {}  # the last evaluation's eval_* values
 
