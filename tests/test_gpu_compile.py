@@ -395,7 +395,8 @@ def test_a_gpu_compile_needs_no_cuda_toolkit(tmp_path):
     ptxas.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexit 1\n")
     ptxas.chmod(0o755)
     code = ("from runtime import backend; import jax, jax.numpy as jnp\n"
-            "from study.hardware.compile_only import compile_only; from study.hardware.gpus import GPUS\n"
+            "from study.hardware.compile_only import compile_only\n"
+            "from study.hardware.gpus import GPUS\n"
             "h200 = jax.sharding.SingleDeviceSharding(compile_only(GPUS['h200'], 1).devices[0])\n"
             "x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=h200)\n"
             "compiled = jax.jit(lambda x: jnp.tanh(x @ x).sum(0)).trace(x).lower().compile()\n"
