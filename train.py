@@ -48,13 +48,15 @@ def train(setup: Setup, target: Target) -> dict:
     it early; NonFiniteLoss for a loss not finite."""
     run = setup.run
     with checkpoints.StopRequests() as stop:  # from the start: a signal while compiling counts
-        setup, program = program_for(setup, target)  # at fit scale: the layers that fit
+        setup, program = program_for(setup, target)  # the layers that fit; preset=auto's pick
         program.compile_run(evaluation=bool(run.eval_every))
         readings = own_program.read(program)
         check_machine(program, offloads=bool(readings.offloaded))
         state, done = start_state(program, setup)
         run_dir = report.RunDir.create(setup)  # only now: a run that never starts writes nothing
         run_dir.write("config.json", report.config_record(setup, program))
+        if setup.choice and not setup.choice.recorded:  # preset=auto: its table
+            run_dir.write("auto.json", setup.choice.record())
         report.say("\n".join(header.lines(setup, program, readings, run_dir, done + 1)))
         tensorboard = report.tensorboard(run_dir, run)  # its folder: process 0, if asked for
         log = report.StepLog(run, readings, run_dir, tensorboard, program.batch_size * run.seq,

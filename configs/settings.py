@@ -112,8 +112,10 @@ class RunConfig:
     param_dtype: str = setting("float32", ("float32", "bfloat16"), resume="same", shown="dtypes")
     optimizer_state: str = setting("device", ("device", "host"), shown="placement")
     mesh: MeshConfig = setting(MeshConfig(), shown="devices")
-    # A named placement (offload/activations.py); none: no checkpointing.
+    # A named placement (offload/activations.py); none: no checkpointing; auto: the fastest
+    # that fits this machine, each candidate compiled and timed for auto_steps steps.
     preset: str = setting("remat", shown="placement")
+    auto_steps: int = setting(3, Range(1), shown="placement")
     # Changes to the preset's placement, one tag each: placement.<tag>=device|offload|remat
     # (or .<scan>.<tag>) on the command line.
     tag_changes: Mapping[str, str] = setting(dict, shown="placement")
@@ -129,7 +131,8 @@ class RunConfig:
     eval_batches: int = setting(8, Range(1), shown="data")
     seed: int = setting(0, Range(0, 2**63, note="numpy's seeds"), resume="same", shown="data")
     scale: str = setting("auto", SCALES, shown="scale")
-    # scale=fit: GiB a device's program may hold (0: XLA's pool on a GPU, less a margin).
+    # scale=fit and preset=auto: GiB a device's program may hold (0: XLA's pool on a GPU, less
+    # a margin; elsewhere not bounded).
     fit_memory: float = setting(0.0, Range(0, note="0: a GPU's pool"), shown="fit")
     # A Hugging Face checkpoint directory of the experiment's family.
     init_from: str = setting("", shown="model")

@@ -34,6 +34,7 @@ PRESETS: dict[str, dict] = {
     "dsv3_device": dict.fromkeys(_DSV3, "device"),
 }
 NO_CHECKPOINT = "none"
+AUTO = "auto"  # the fastest placement that fits, measured on the run's machine: runtime/auto.py
 
 
 def presets_for(scan_tags: Mapping) -> list[str]:
@@ -46,7 +47,7 @@ def resolve(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict
     """scan -> {tag: placement}: the preset, then `changes`, each checked against the model's."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of "
-                         f"{', '.join([*PRESETS, NO_CHECKPOINT])}")
+                         f"{', '.join([*PRESETS, NO_CHECKPOINT, AUTO])}")
     if preset not in (fitting := presets_for(scan_tags)):  # named as typed, not by a key of it
         scans = sorted({key.rpartition(".")[0] for key in PRESETS[preset]} - {"", *scan_tags})
         raise ValueError(f"preset={preset} places layer scans this model does not have "

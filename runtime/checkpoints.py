@@ -21,6 +21,7 @@ from hf.config import from_hf, to_hf
 from hf.save import DTYPES, write_checkpoint
 from model import families
 from model.params import abstract_params
+from runtime.auto import Candidate, Choice
 
 # Each process writes whole shards: Orbax's replica-parallel saving slices each replicated
 # shard eagerly, one XLA program per slice shape (seconds per save on CPUs; off on GPUs).
@@ -62,6 +63,7 @@ _META_KEYS = {"step", "global_batch", "model", "run", "hf_config"}
 def run_meta(step: int, setup, batch_size: int) -> dict:
     return {"step": step, "experiment": setup.experiment.name, "scale": setup.scale,
             "fit": setup.fit.words if setup.fit else None,
+            "auto": setup.choice.record() if setup.choice else None,
             "global_batch": batch_size, "model": _plain(setup.model), "run": _plain(setup.run),
             "hf_config": to_hf(setup.model, setup.run.param_dtype),
             "data_position": "batches are a function of (seed, step): the step is the position"}
@@ -147,6 +149,15 @@ def recorded_fit(target: str, out_dir: str, run_prefix: str) -> dict[str, str]:
         raise CheckpointNotFound(f"resume={target}: not a fit scale run's checkpoint (it "
                                  "records no fit); resume it at its own scale")
     return {str(k): str(v) for k, v in words.items()}
+
+
+def recorded_choice(source: "Source") -> Choice | None:
+    """The placement preset=auto chose for the run that wrote `source` (None: it chose none)."""
+    record = source.meta(source.steps[0]).get("auto")
+    if not record:
+        return None
+    return Choice(Candidate(record["preset"], tuple(record["changes"].items()),
+                            record["placement"]), recorded=True)
 
 
 def check_outputs(model, run, run_prefix: str, batch_size: int) -> Source | None:

@@ -22,6 +22,7 @@ MARGIN = 0.10  # of XLA's pool and of pinned host memory: fragmentation, what ru
 # layer Q/K/V stay on the device: docs/fit.md), so each layer scan keeps two layers at least.
 PER_SCAN = 2
 VOCAB_STEP = 1024
+UNBOUNDED = 2**62
 
 
 class FitError(ConfigError):
@@ -45,17 +46,19 @@ class Budget:
 
 
 def budget(fit_memory: float, pool: int | None, host_limit: int, per_process: int) -> Budget:
-    """`fit_memory` GiB if set, else `pool` (XLA's, per device) less the margin; `host_limit`
-    bytes of pinned host memory a process may hold, shared by its `per_process` devices, less
-    the margin."""
+    """`fit_memory` GiB if set, else `pool` (XLA's, per device; None: not bounded) less the
+    margin; `host_limit` bytes of pinned host memory a process may hold, shared by its
+    `per_process` devices, less the margin."""
     if fit_memory:
         device, words = int(fit_memory * GiB), f"fit_memory={fit_memory:g} GiB"
+    elif pool is None:  # preset=auto off a GPU: nothing to read a bound from
+        device, words = UNBOUNDED, "not bounded: no memory pool here; fit_memory=GiB sets one"
     else:
         device = int(pool * (1 - MARGIN))
         words = f"XLA's pool of {size_words(pool)} less {MARGIN:.0%}"
     host = int(host_limit / per_process * (1 - MARGIN))
     shared = f" over {per_process} devices" if per_process > 1 else ""
-    return Budget(device, host, f"{size_words(device)} ({words})",
+    return Budget(device, host, words if device == UNBOUNDED else f"{size_words(device)} ({words})",
                   f"{size_words(host)} ({size_words(host_limit)} of pinned host memory a "
                   f"process may hold{shared}, less {MARGIN:.0%})")
 

@@ -106,10 +106,12 @@ def _optimizer_words(setup) -> str:
 def _placement_words(setup) -> str:
     run, placement = setup.run, setup.placement
     state = f"; optimizer state on {run.optimizer_state}"
+    chosen = "" if setup.choice is None else (
+        f"{setup.choice.words()}, {run.auto_steps} steps timed each{_INDENT}")
     if placement is None:
-        return "none: no checkpointing, autodiff keeps every residual on device" + state
+        return chosen + "none: no checkpointing, autodiff keeps every residual on device" + state
     changes = ", ".join(f"{k}={v}" for k, v in run.tag_changes.items())
-    return (f"{run.preset}{f' with {changes}' if changes else ''}: " + "; ".join(
+    return chosen + (f"{run.preset}{f' with {changes}' if changes else ''}: " + "; ".join(
         f"{scan}: " + (" ".join(f"{t}={p}" for t, p in table.items()) or "-")
         for scan, table in placement.items()) + "; all else remat" + state)
 

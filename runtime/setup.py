@@ -14,7 +14,7 @@ from data.tokens import TokenSource, token_source
 from hf.load import Checkpoint, open_checkpoint
 from model import families
 from offload import activations, optimizer_state
-from runtime import backend, checkpoints, fit as fits
+from runtime import auto, backend, checkpoints, fit as fits, report
 from runtime.own_program import CompiledMemory, size_words
 from trainer.program import Program, quantization_problems
 from trainer.target import Target
@@ -34,6 +34,9 @@ class Setup:
     resume: checkpoints.Source | None  # the checkpoint this run continues from
     args: tuple[str, ...]  # the command line's key=value overrides, as given
     fit: fits.Fit | None  # at fit scale: what it reduced and measured (a resume: recorded)
+    # preset=auto: what it chose (None until program_for; a resume: the checkpoint's). Until
+    # then the placement is the experiment's own preset's, the one a fit is found for.
+    choice: auto.Choice | None = None
 
 
 def choose_scale(name: str, model, run: configs.RunConfig, requested: str, devices: tuple):
@@ -99,9 +102,10 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
                   else choose_scale(name, model, run, requested, devices))
     if scale != "full":
         model, run = at_scale(experiment, scale, overrides, len(devices))
-    if run.fit_memory and scale != "fit":
-        raise ConfigError(f"fit_memory={run.fit_memory:g} is the fit scale's budget; this run "
-                          f"is at {scale} scale ({why})")
+    if run.fit_memory and scale != "fit" and run.preset != activations.AUTO:
+        raise ConfigError(f"fit_memory={run.fit_memory:g} is the budget of the fit scale and "
+                          f"of preset=auto; this run is at {scale} scale ({why}) with "
+                          f"preset={run.preset}")
     recorded = None
     if scale == "fit" and run.resume:  # the fit the checkpoint was trained at, not searched
         recorded = fits.Fit(checkpoints.recorded_fit(run.resume, run.out_dir, f"{name}-fit"),
@@ -139,11 +143,20 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     experiment = dataclasses.replace(experiment, model=model, run=run) if full else experiment
     resume = None if full else checkpoints.check_outputs(model, run, f"{name}-{scale}",
                                                          run.batch(len(devices)))
-    return Setup(experiment, scale, why, model, run, resolve_placement(model, run), data,
-                 hf_params, resume, tuple(args), recorded)
+    placement = resolve_placement(model, run, experiment.run.preset)
+    choice = None
+    if run.preset == activations.AUTO and resume is not None:  # its choice, not measured again
+        choice = checkpoints.recorded_choice(resume)
+        placement = choice.chosen.placement if choice else placement
+    return Setup(experiment, scale, why, model, run, placement, data, hf_params, resume,
+                 tuple(args), recorded, choice)
 
 
-def resolve_placement(model, run: configs.RunConfig) -> dict | None:
+def resolve_placement(model, run: configs.RunConfig, own: str = "") -> dict | None:
+    """The run's placement; at preset=auto, the experiment's `own` preset's until the choice
+    (runtime/auto.py), with the run's tag changes (fixed in every candidate)."""
+    if run.preset == activations.AUTO:
+        run = dataclasses.replace(run, preset=own)
     if run.preset == activations.NO_CHECKPOINT:
         if run.tag_changes:
             raise ConfigError("placement.<tag> overrides need a preset, not preset=none")
@@ -167,8 +180,7 @@ def with_fit(setup: Setup, fit: fits.Fit) -> Setup:
     model, run = configs.apply_overrides(setup.model, setup.run, fit.words)
     data = setup.data if model.vocab == setup.model.vocab else token_source(
         run.data.path, run.data.dtype, model.vocab, run.seed, run.seq)
-    return dataclasses.replace(setup, model=model, run=run, data=data, fit=fit,
-                               placement=resolve_placement(model, run))
+    return dataclasses.replace(setup, model=model, run=run, data=data, fit=fit)
 
 
 def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
@@ -180,7 +192,7 @@ def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
 
     def measure(words: dict) -> tuple[CompiledMemory, Program]:
         model, run = configs.apply_overrides(setup.model, setup.run, words)
-        program = Program(model, run, resolve_placement(model, run), target)
+        program = Program(model, run, setup.placement, target)  # a fit's words keep the scans
         return CompiledMemory.of(program.compile_run()), program
 
     if setup.fit is not None:  # recorded: the words are applied already
@@ -201,10 +213,30 @@ def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
 
 
 def program_for(setup: Setup, target: Target) -> tuple[Setup, Program]:
-    """The run's program for this machine's devices (at fit scale: the fit, searched)."""
+    """The run's program for this machine's devices: at fit scale the fit, searched; at
+    preset=auto the placement, chosen (at the fit's layer count)."""
     if setup.scale == "fit":
-        return fitted(setup, target)
-    return setup, Program(setup.model, setup.run, setup.placement, target)
+        setup, program = fitted(setup, target)
+    else:
+        program = Program(setup.model, setup.run, setup.placement, target)
+    if setup.run.preset != activations.AUTO or setup.choice is not None:
+        return setup, program
+    choice, program = choose_placement(setup, program, target)
+    return dataclasses.replace(setup, placement=choice.chosen.placement, choice=choice), program
+
+
+def choose_placement(setup: Setup, first: Program, target: Target) -> tuple[auto.Choice, Program]:
+    """preset=auto's choice on this machine, each candidate compiled (`first`, the program of
+    the experiment's own preset, reused) and those within the budget timed on its devices."""
+    def measure(placement: dict | None) -> tuple[CompiledMemory, Program]:
+        program = first if placement == setup.placement else Program(
+            setup.model, setup.run, placement, target)
+        return CompiledMemory.of(program.compile_run()), program
+
+    tokens = setup.data.batch(0, first.batch_size, setup.run.seq)
+    return auto.choose(setup, machine_budget(setup.run, target), measure,
+                       lambda programs: auto.step_seconds(programs, tokens, setup.run.auto_steps),
+                       report.say)
 
 
 def start_state(program: Program, setup: Setup) -> tuple[dict, int]:

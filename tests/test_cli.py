@@ -93,6 +93,9 @@ BAD_INPUT = {
     "init_from at fit scale": ["llama405b-offload", "scale=fit", "fit_memory=10",
                                "init_from=tests/fixtures/llama_gqa"],
     "fit without an experiment": ["fit"],
+    # preset=auto's:
+    "no steps to time": ["llama405b-offload", "preset=auto", "auto_steps=0"],
+    "a budget without auto or fit": ["llama405b-offload", "preset=remat", "fit_memory=1"],
     "fit of an unknown experiment": ["fit", "llama9b"],
 }
 

@@ -1,0 +1,139 @@
+"""preset=auto (runtime/auto.py): the candidates each family's rules give; a candidate over the
+budget compiled and never timed; the fastest of given times trained; the neighbours one tag from
+the best-ranked preset, each saving recomputation; a real CPU run within its budget; a resume
+that takes the checkpoint's choice and measures nothing; nothing fitting, one line."""
+
+import json
+
+import jax
+import pytest
+
+from conftest import SMALL, run_cli
+from model import deepseek, llama
+from offload import activations
+from runtime import auto, fit as fits
+from runtime import setup as runtime_setup
+from runtime.own_program import CompiledMemory, GiB, step_flops
+from trainer.program import Program
+from trainer.target import this_machine
+
+# Every test here compiles the same programs (the session's compilation cache shares them).
+TINY = ["llama405b-offload", *SMALL, "preset=auto"]
+
+
+def test_the_candidates_are_every_preset_of_the_family_and_no_checkpointing():
+    names = lambda scans, fixed: [c.name for c in auto.presets(scans, fixed)]  # noqa: E731
+    assert names(llama.SCANS, {}) == ["remat", "minimal", "qkv_offload", "minimal_offloaded",
+                                      "none"]
+    assert names(deepseek.SCANS, {}) == ["remat", "minimal", "qkv_offload", "minimal_offloaded",
+                                         "dsv3_offload", "dsv3_device", "none"]
+    # A fixed tag is in every candidate (no checkpointing has no tags to fix); placements that
+    # come out the same are one candidate: remat with mlpwo kept is not minimal.
+    fixed = {"layers.mlpwo": "offload"}
+    found = auto.presets(llama.SCANS, fixed)
+    assert [c.preset for c in found] == ["remat", "minimal", "qkv_offload", "minimal_offloaded"]
+    assert all(c.placement["layers"]["mlpwo"] == "offload" for c in found)
+    same = auto.presets(llama.SCANS, {"layers.query_proj": "offload",
+                                      "layers.key_proj": "offload", "layers.value_proj": "offload"})
+    assert "qkv_offload" not in [c.preset for c in same]  # remat with those is qkv_offload
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The Llama proxy, tiny, resolved with preset=auto; each placement compiled once."""
+    setup = runtime_setup.resolve(TINY[0], TINY[1:], jax.devices())
+    target, cache = this_machine(), {}
+
+    def measure(placement):
+        key = json.dumps(placement, sort_keys=True)
+        if key not in cache:
+            program = Program(setup.model, setup.run, placement, target)
+            cache[key] = CompiledMemory.of(program.compile_run()), program
+        return cache[key]
+    return setup, measure
+
+
+def budget(device: int) -> fits.Budget:
+    return fits.Budget(device, 2**40, f"{device} bytes", "host")
+
+
+def test_a_candidate_over_the_budget_is_compiled_never_timed_and_the_fastest_given_is_chosen(
+        tiny):
+    setup, measure = tiny
+    sizes = {c.name: measure(c.placement)[0].device
+             for c in auto.presets(llama.SCANS, {})}
+    assert sizes["none"] > min(sizes.values())  # keeping every residual takes more
+    limit = sizes["none"] - 1
+    timed = []
+
+    def timer(programs):
+        timed.extend(programs)
+        return [1.0 + (i == len(programs) - 2) * -0.5 for i in range(len(programs))]
+
+    choice, program = auto.choose(setup, budget(limit), measure, timer, lambda _: None)
+    compiled = {r.candidate.name: r for r in choice.rows}
+    assert "none" in compiled and not compiled["none"].fits and compiled["none"].seconds is None
+    fitting = [r for r in choice.rows if r.fits]
+    assert len(timed) == len(fitting) and all(r.memory.device <= limit for r in fitting)
+    assert choice.chosen == fitting[-2].candidate  # the one given 0.5 s
+    assert program is measure(choice.chosen.placement)[1]
+
+
+def test_the_neighbours_are_one_tag_from_the_best_ranked_preset_and_recompute_less(tiny):
+    setup, measure = tiny
+    sizes = {c.name: measure(c.placement)[0].device for c in auto.presets(llama.SCANS, {})}
+    rows, programs = auto.compiled(setup, budget(sizes["none"] - 1), measure, lambda _: None)
+    presets = [r for r in rows if not r.candidate.changes]
+    near = rows[len(presets):]
+    assert 0 < len(near) <= auto.NEIGHBOURS
+    # The best-ranked is minimal or minimal_offloaded (fewest recomputed FLOPs); on a CPU both
+    # keep the same tags on the device, and minimal moves nothing to host.
+    base = next(r.candidate for r in presets if r.candidate.preset == near[0].candidate.preset)
+    assert base.preset == "minimal"
+    devices, own = len(jax.devices()), programs[rows.index(next(
+        r for r in presets if r.candidate == base))]
+    for row, program in zip(near, programs[len(presets):]):
+        (key, where), = row.candidate.changes
+        scan, _, tag = key.partition(".")
+        assert row.candidate.placement == {scan: {**base.placement[scan], tag: where}}
+        assert base.placement[scan].get(tag, "remat") != where
+        # Keeping a recomputed tag: the traced step does fewer matrix products.
+        assert (step_flops(program.traced.jaxpr, devices)
+                < step_flops(own.traced.jaxpr, devices))
+
+
+def test_a_cpu_run_with_preset_auto_trains_a_candidate_within_its_budget(tiny, tmp_path, capsys):
+    """A budget the no-checkpointing program does not fit: the run trains another, its table
+    in auto.json and the header, its placement in config.json; resumed, it takes that choice
+    and compiles no candidate."""
+    setup, measure = tiny
+    none = measure(None)[0]
+    words = [*TINY, "auto_steps=1", f"fit_memory={(none.device - 1) / GiB!r}",
+             "checkpoint_every=1"]
+    code, out, err = run_cli(words, tmp_path, capsys)
+    assert code == 0, err
+    run_dir = next(tmp_path.iterdir())
+    record = json.loads((run_dir / "auto.json").read_text())
+    chosen = next(c for c in record["candidates"] if c["candidate"] == record["chosen"])
+    assert chosen["fits"] and chosen["device_bytes"] < none.device
+    assert json.loads((run_dir / "config.json").read_text())["placement"] == chosen["placement"]
+    assert f"chosen by preset=auto: {record['chosen']}, the fastest of" in out
+    assert "the cpu backend drops host placements" in out
+    code, out, err = run_cli([*words, f"resume={run_dir / 'checkpoints' / '1'}"], tmp_path,
+                             capsys)
+    assert code == 0, err
+    assert "preset=auto: compiled" not in out and "the resumed checkpoint's choice" in out
+    assert f"chosen by preset=auto: {record['chosen']} (" in out
+
+
+def test_nothing_fitting_is_one_line_naming_the_smallest_candidate(tmp_path, capsys):
+    code, out, err = run_cli([*TINY, "fit_memory=0.0001"], tmp_path, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: preset=auto: no candidate fits; the smallest, ")
+    assert "per device of 105 KiB (fit_memory=0.0001 GiB) and " in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_unknown_preset_is_told_auto_too():
+    with pytest.raises(ValueError, match=r"none, auto$"):
+        activations.resolve("fastest", {}, llama.SCANS)
