@@ -1,6 +1,6 @@
 """The fit scale on GPUs this machine lacks: what a run of a study row finds on them.
 
-    python -m study fit [ROW ...] [device=KIND] [gpus=N] [key=value ...]
+    python -m study fit [ROW ...] [device=KIND] [gpus=N] [key=value ...] [preset=auto]
 
 For each row (a comparison stands for its rows; none: the study's nine) and each machine (1 x
 H100, 1 x H200, 8 x H100, 8 x H200, 4 x GB200: one NVL72 tray; `device=` and `gpus=` pick
@@ -8,17 +8,20 @@ some), the fit the trainer's search finds there (runtime/fit.py) with programs c
 compile-only GPUs: the layer count and what else it reduced, the chosen program's device and
 host bytes against the budget a run there has, one more layer's, and the replay of that
 program on that GPU (study/timing/replay.py). Compiled without autotuning
-(study/hardware/compile_only.py): a real GPU's programs differ by the kernels it picks.
+(study/hardware/compile_only.py): a real GPU's programs differ by the kernels it picks. With
+preset=auto, after each fit, the candidates a run's preset=auto compiles there (runtime/auto.py)
+and which fit: a real GPU then times those that do.
 """
 
 import dataclasses
 
 import configs
 from configs import ConfigError
-from runtime import backend
+from offload import activations
+from runtime import auto, backend
 from runtime import fit as fits
 from runtime.own_program import GiB
-from runtime.setup import Setup, resolve, resolve_placement
+from runtime.setup import Setup, resolve
 from study import command_line
 from study.timing import predicted_step
 from study.hardware.compile_only import compile_only, host_limit, pool_bytes
@@ -49,8 +52,7 @@ def fitted(name: str, args: list[str], gpu: Gpu, gpus: int):
 
     def measure(words: dict):
         model, run = configs.apply_overrides(setup.model, setup.run, words)
-        candidate = dataclasses.replace(setup, model=model, run=run,
-                                        placement=resolve_placement(model, run))
+        candidate = dataclasses.replace(setup, model=model, run=run)  # (the scans are kept)
         row = compile_row(candidate, gpu, target)
         return row.compiled_memory(), row
 
@@ -60,13 +62,14 @@ def fitted(name: str, args: list[str], gpu: Gpu, gpus: int):
                        setup.experiment.model.n_layers)
 
 
-def fit_row(name: str, args: list[str], gpu: Gpu, gpus: int) -> list[str]:
-    """One line of the table: `name` fitted to `gpus` compile-only `gpu`s."""
+def fit_row(name: str, args: list[str], gpu: Gpu, gpus: int) -> tuple[list[str], Setup | None]:
+    """One line of the table, `name` fitted to `gpus` compile-only `gpu`s, and the fit's setup
+    (None: nothing fits)."""
     machine = f"{gpus} x {gpu.name}"
     try:
         fit, row = fitted(name, args, gpu, gpus)
     except fits.FitError as e:
-        return [name, machine, "does not fit", str(e), "", "", "", "", ""]
+        return [name, machine, "does not fit", str(e), "", "", "", "", ""], None
     over = fit.over
     return [name, machine, f"{fit.layers} of {row.setup.experiment.model.n_layers}",
             "; ".join(fit.reductions()) or "-",
@@ -75,7 +78,27 @@ def fit_row(name: str, args: list[str], gpu: Gpu, gpus: int) -> list[str]:
             "none to add" if over is None else
             f"does not fit: {over.device / GiB:.1f} GiB, host {over.host / GiB:.1f}",
             replayed(row.setup, row.hlo, gpu, gpus),
-            fit.found().removeprefix("found in ")]
+            fit.found().removeprefix("found in ")], dataclasses.replace(row.setup, fit=fit)
+
+
+def candidate_lines(setup: Setup, gpu: Gpu, gpus: int) -> list[str]:
+    """preset=auto's candidates at `setup`'s fit, each compiled for the compile-only GPUs, and
+    whether it is within the budget (a run there times those that are)."""
+    target = compile_only(gpu, gpus)
+
+    def measure(placement):
+        row = compile_row(dataclasses.replace(setup, placement=placement), gpu, target)
+        return row.compiled_memory(), row.program
+    budget = machine_budget(gpu, gpus, setup.run.fit_memory)
+    lines = [f"preset=auto at {setup.fit.layers} layers on {gpus} x {gpu.name} (budget "
+             f"{budget.device / GiB:.1f} GiB per device, {budget.host / GiB:.1f} host):",
+             "| candidate | device GiB | host GiB | within the budget |", "|---|---|---|---|"]
+    try:
+        rows, _ = auto.compiled(setup, budget, measure, lambda _: None)
+    except fits.FitError as e:
+        return [*lines[:1], str(e)]
+    return lines + [f"| {r.candidate.name} | {r.memory.device / GiB:.1f} | "
+                    f"{r.memory.host / GiB:.1f} | {'yes' if r.fits else 'no'} |" for r in rows]
 
 
 def replayed(setup: Setup, compiled_hlo: str, gpu: Gpu, gpus: int) -> str:
@@ -112,9 +135,13 @@ def main(argv: list[str]) -> int:
         for gpu, gpus in chosen:
             resolve(name, [*args, "scale=fit"], compile_only(gpu, gpus).devices)
     print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
+    candidates = f"preset={activations.AUTO}" in args
     for name in names or ROWS:
         for gpu, gpus in chosen:
-            print("| " + " | ".join(fit_row(name, args, gpu, gpus)) + " |", flush=True)
+            line, setup = fit_row(name, args, gpu, gpus)
+            print("| " + " | ".join(line) + " |", flush=True)
+            if candidates and setup is not None:
+                print("\n".join(candidate_lines(setup, gpu, gpus)), flush=True)
     print(f"(budgets: XLA's pool less {fits.MARGIN:.0%}; pinned host memory as a run sets it, "
           f"{backend.HOST_LIMIT_VARIABLE} = 3/4 of the host's memory, less {fits.MARGIN:.0%}; "
           f"at least {fits.PER_SCAN} layers per scan: runtime/fit.py)")
