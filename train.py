@@ -15,9 +15,10 @@
 
 A run, a line each in train(): resolve (config, scale, placement, data: any mistake is one line
 and exit status 2) -> program (mesh, optimizer; at fit scale, as many of the experiment's
-layers as fit this machine) -> compile (ahead of time, for this machine's devices) -> machine
-check -> state (sharded init, or a checkpoint) -> run folder -> header -> loop -> summary. The
-full-scale plan, GPU compile, search and step times: python -m study (study/).
+layers as fit this machine; at preset=auto, the fastest placement that fits it) -> compile
+(ahead of time, for this machine's devices) -> machine check -> state (sharded init, or a
+checkpoint) -> run folder -> header -> loop -> summary. The full-scale plan, GPU compile,
+search and step times: python -m study (study/).
 """
 
 from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
@@ -54,9 +55,8 @@ def train(setup: Setup, target: Target) -> dict:
         check_machine(program, offloads=bool(readings.offloaded))
         state, done = start_state(program, setup)
         run_dir = report.RunDir.create(setup)  # only now: a run that never starts writes nothing
-        run_dir.write("config.json", report.config_record(setup, program))
-        if setup.choice and not setup.choice.recorded:  # preset=auto: its table
-            run_dir.write("auto.json", setup.choice.record())
+        for name, record in report.records(setup, program).items():
+            run_dir.write(name, record)
         report.say("\n".join(header.lines(setup, program, readings, run_dir, done + 1)))
         tensorboard = report.tensorboard(run_dir, run)  # its folder: process 0, if asked for
         log = report.StepLog(run, readings, run_dir, tensorboard, program.batch_size * run.seq,

@@ -58,8 +58,8 @@ class Choice:
         if self.recorded:
             return f"chosen by preset=auto: {self.chosen.name} (the resumed checkpoint's choice)"
         return (f"chosen by preset=auto: {self.chosen.name}, the fastest of "
-                f"{sum(r.seconds is not None for r in self.rows)} timed ({len(self.rows)} "
-                f"compiled; auto.json)")
+                f"{sum(r.seconds is not None for r in self.rows)} timed over {self.steps} "
+                f"step(s) each ({len(self.rows)} compiled; auto.json)")
 
     def record(self) -> dict:
         """auto.json, and what a checkpoint keeps of it."""

@@ -106,8 +106,7 @@ def _optimizer_words(setup) -> str:
 def _placement_words(setup) -> str:
     run, placement = setup.run, setup.placement
     state = f"; optimizer state on {run.optimizer_state}"
-    chosen = "" if setup.choice is None else (
-        f"{setup.choice.words()}, {run.auto_steps} steps timed each{_INDENT}")
+    chosen = "" if setup.choice is None else setup.choice.words() + _INDENT
     if placement is None:
         return chosen + "none: no checkpointing, autodiff keeps every residual on device" + state
     changes = ", ".join(f"{k}={v}" for k, v in run.tag_changes.items())

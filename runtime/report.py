@@ -81,13 +81,16 @@ def checkpoint_line(name: str, args, run, run_dir: RunDir, path: Path, stopped_b
             f"{' '.join([name, *args])} resume={resume}")
 
 
-def config_record(setup, program) -> dict:
-    """config.json: what the run trains, on what."""
-    return {"experiment": setup.experiment.name, "scale": setup.scale,
-            "devices": program.target.description, "platform": program.target.platform,
-            "fit": setup.fit.words if setup.fit else None,
-            "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
-            "placement": setup.placement}
+def records(setup, program) -> dict[str, dict]:
+    """The run folder's records: config.json, what the run trains, on what; auto.json,
+    preset=auto's table (a resume's choice was measured by the run it continues)."""
+    config = {"experiment": setup.experiment.name, "scale": setup.scale,
+              "devices": program.target.description, "platform": program.target.platform,
+              "fit": setup.fit.words if setup.fit else None,
+              "model": dataclasses.asdict(setup.model), "run": dataclasses.asdict(setup.run),
+              "placement": setup.placement}
+    measured = setup.choice and not setup.choice.recorded
+    return {"config.json": config, **({"auto.json": setup.choice.record()} if measured else {})}
 
 
 def tensorboard(run_dir: RunDir, run):

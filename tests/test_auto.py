@@ -118,6 +118,7 @@ def test_a_cpu_run_with_preset_auto_trains_a_candidate_within_its_budget(tiny, t
     assert chosen["fits"] and chosen["device_bytes"] < none.device
     assert json.loads((run_dir / "config.json").read_text())["placement"] == chosen["placement"]
     assert f"chosen by preset=auto: {record['chosen']}, the fastest of" in out
+    assert "timed over 1 step(s) each" in out
     assert "the cpu backend drops host placements" in out
     code, out, err = run_cli([*words, f"resume={run_dir / 'checkpoints' / '1'}"], tmp_path,
                              capsys)

@@ -19,8 +19,9 @@ from trainer.target import Target
 
 # Settings whose row shows what resolving them makes (the token file read), not the word.
 # Settings a run resolves into others, shown there; fit_memory in the fit row, which only a fit
-# scale run has (tests/test_fit.py).
-RESOLVED = {"data.path", "data.dtype", "fit_memory"}
+# scale run has (tests/test_fit.py), auto_steps in the placement row of a preset=auto run
+# (tests/test_auto.py).
+RESOLVED = {"data.path", "data.dtype", "fit_memory", "auto_steps"}
 
 
 def _header(setup, devices) -> dict[str, str]:
