@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from model import families
 from offload import activations
@@ -112,7 +113,8 @@ def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget
             where = table.get(tag, "device" if tag == activations.LAYER_INPUT else "remat")
             if _is_fixed(scan, tag, fixed) or where == "device":
                 continue
-            # The tag's bytes per device and step, its global shape's share of this device.
+            # The tag's bytes per device and step, its global shape's share of this device
+            # (only to skip what cannot fit: the compile decides).
             size = sum(v.nbytes * v.count for v in sites.get(tag, []) if v.scan == scan) / devices
             changed = {**best.placement, scan: {**table, tag: "device"}}
             if where == "offload":  # kept on device: no FLOPs saved, its transfers saved
@@ -139,14 +141,13 @@ def compiled(setup, budget: Budget, measure: Callable, say: Callable[[str], None
     scan_tags, fixed = families.of(setup.model).SCANS, dict(setup.run.tag_changes)
     rows, programs = [], []
 
-    def compile_(candidate: Candidate) -> Row:
+    def compile_(candidate: Candidate) -> None:
         memory, program = measure(candidate.placement)
         programs.append(program)
         rows.append(Row(candidate, memory, budget.fits(memory)))
         say(f"preset=auto: compiled {candidate.name}: {size_words(memory.device)} per device, "
             f"{size_words(memory.host)} in host memory: "
             f"{'fits' if rows[-1].fits else 'over the budget, not timed'}")
-        return rows[-1]
 
     for candidate in presets(scan_tags, fixed):
         compile_(candidate)
@@ -194,7 +195,6 @@ def agreed(index: int) -> int:
     """Process 0's pick, in every process (their timings differ a little)."""
     if jax.process_count() == 1:
         return index
-    from jax.experimental import multihost_utils
     return int(multihost_utils.broadcast_one_to_all(np.int32(index)))
 
 

@@ -94,7 +94,7 @@ def candidate_lines(setup: Setup, gpu: Gpu, gpus: int) -> list[str]:
              f"{budget.device / GiB:.1f} GiB per device, {budget.host / GiB:.1f} host):",
              "| candidate | device GiB | host GiB | within the budget |", "|---|---|---|---|"]
     try:
-        rows, _ = auto.compiled(setup, budget, measure, lambda _: None)
+        rows, _ = auto.compiled(setup, budget, measure, lambda line: print(line, flush=True))
     except fits.FitError as e:
         return [*lines[:1], str(e)]
     return lines + [f"| {r.candidate.name} | {r.memory.device / GiB:.1f} | "
