@@ -103,9 +103,9 @@ def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget
     a tag it recomputes kept (on device, or offloaded) or one it offloads kept on device: those
     whose bytes fit what the budget leaves, by the FLOPs keeping the tag saves
     (`traced_flops(placement)`: a placement's traced step), then the host bytes it stops moving."""
-    devices = len(program.target.devices)
-    sites = tagged_in(program.traced.jaxpr)
-    base = step_flops(program.traced.jaxpr, devices)
+    devices, jaxpr = len(program.target.devices), program.traced.jaxpr
+    sites, moved_sites = tagged_in(jaxpr), offloaded(jaxpr)
+    base = step_flops(jaxpr, devices)
     room_device, room_host = budget.device - memory.device, budget.host - memory.host
     scored = []
     for scan, table in best.placement.items():
@@ -114,11 +114,13 @@ def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget
             if _is_fixed(scan, tag, fixed) or where == "device":
                 continue
             # The tag's bytes per device and step, its global shape's share of this device
-            # (only to skip what cannot fit: the compile decides).
-            size = sum(v.nbytes * v.count for v in sites.get(tag, []) if v.scan == scan) / devices
+            # (only to skip what cannot fit: the compile decides); offloaded, what the step
+            # moves (none where the backward pass does not read the tag).
+            size = sum(v.nbytes * v.count for v in (moved_sites if where == "offload" else sites
+                                                    ).get(tag, []) if v.scan == scan) / devices
             changed = {**best.placement, scan: {**table, tag: "device"}}
             if where == "offload":  # kept on device: no FLOPs saved, its transfers saved
-                moves = [("device", 0.0, size)] if size <= room_device else []
+                moves = [("device", 0.0, size)] if 0 < size <= room_device else []
             else:
                 saved = base - traced_flops(changed)
                 moves = [(w, saved, 0.0) for w, room in (("device", room_device),
@@ -178,17 +180,17 @@ def compiled(setup, budget: Budget, measure: Callable, say: Callable[[str], None
 def step_seconds(programs: list[Program], tokens, steps: int) -> list[float]:
     """Each program's median step over `steps` steps after one warm-up, on one state (made
     once, carried from program to program: the placement does not change its shape) and the
-    run's `tokens`."""
-    state, times = programs[0].init_state(), []
-    for program in programs:
-        batch, spent = program.batch(tokens), []
-        for _ in range(steps + 1):
+    run's `tokens`. The programs take turns, a step each, so that what else the machine does
+    meanwhile falls on all of them alike."""
+    state, batch = programs[0].init_state(), programs[0].batch(tokens)
+    spent = [[] for _ in programs]
+    for _ in range(steps + 1):  # the first round: each program's warm-up, not counted
+        for program, times in zip(programs, spent):
             started = time.perf_counter()
             state, metrics = program.step(state, batch)
             jax.block_until_ready(metrics)
-            spent.append(time.perf_counter() - started)
-        times.append(statistics.median(spent[1:]))
-    return times
+            times.append(time.perf_counter() - started)
+    return [statistics.median(times[1:]) for times in spent]
 
 
 def agreed(index: int) -> int:
