@@ -24,7 +24,7 @@ from runtime.own_program import GiB
 from runtime.setup import Setup, resolve
 from study import command_line
 from study.timing import predicted_step
-from study.hardware.compile_only import compile_only, host_limit, pool_bytes
+from study.hardware.compile_only import compile_only, host_limit, kernel_checks, pool_bytes
 from study.compiling.compiled_row import compile_row
 from study.hardware.gpus import GPUS, Gpu
 
@@ -94,7 +94,8 @@ def candidate_lines(setup: Setup, gpu: Gpu, gpus: int) -> list[str]:
              f"{budget.device / GiB:.1f} GiB per device, {budget.host / GiB:.1f} host):",
              "| candidate | device GiB | host GiB | within the budget |", "|---|---|---|---|"]
     try:
-        rows, _ = auto.compiled(setup, budget, measure, lambda line: print(line, flush=True))
+        with kernel_checks(target):  # the candidates' traces too see the GPU's cuDNN
+            rows, _ = auto.compiled(setup, budget, measure, lambda line: print(line, flush=True))
     except fits.FitError as e:
         return [*lines[:1], str(e)]
     return lines + [f"| {r.candidate.name} | {r.memory.device / GiB:.1f} | "
