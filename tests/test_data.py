@@ -273,6 +273,40 @@ def test_a_prepared_folder_is_checked_against_its_meta(prepared):
         read_meta(prepared)
 
 
+def _meta_change(change):
+    def damage(folder):
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps(change(meta)))
+    return damage
+
+
+# Damages to a prepared folder, done in place: (the damage, what its line says). Every command
+# that reads a folder (training, evaluation, sampling: tests/test_evaluation.py) says them alike.
+DAMAGES = {
+    "counts as strings": (_meta_change(lambda m: {**m, "splits": {
+        s: {**c, "tokens": str(c["tokens"])} for s, c in m["splits"].items()}}),
+        "expected a whole count"),
+    "counts as floats": (_meta_change(lambda m: {**m, "splits": {
+        s: {**c, "tokens": float(c["tokens"])} for s, c in m["splits"].items()}}),
+        "expected a whole count"),
+    "no end of text": (_meta_change(lambda m: {k: v for k, v in m.items() if k != "end_of_text"}),
+                       "'end_of_text'"),
+    "end of text outside the vocabulary": (_meta_change(lambda m: {**m, "end_of_text": {
+        **m["end_of_text"], "id": m["vocab_size"]}}), "expected one of its vocabulary's"),
+    "no tokenizer.json": (lambda folder: (folder / "tokenizer.json").unlink(),
+                          "no tokenizer.json"),
+}
+
+
+def damage_folder(prepared, folder, name: str):
+    """A copy of `prepared` with the damage DAMAGES[name] done to it."""
+    folder.mkdir()
+    for file in prepared.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    DAMAGES[name][0](folder)
+    return folder
+
+
 def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_path, capsys):
     """train.py on a prepared folder the model cannot use: its vocabulary smaller than the
     tokenizer's, a meta.json that disagrees with the files, a data.dtype against the folder's,
@@ -285,8 +319,11 @@ def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_pa
         (broken / name).write_bytes((prepared / name).read_bytes())
     (broken / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
     small = ["steps=1", "seq=8", "model.n_layers=1", "quant=none"]
+    damaged = {name: damage_folder(prepared, tmp_path / name, name) for name in DAMAGES}
     cases = [([f"data.path={prepared}", "model.vocab=256"], "does not cover"),
              ([f"data.path={broken}", "model.vocab=512"], "but it has"),
+             *(([f"data.path={folder}", "model.vocab=512"], DAMAGES[name][1])
+               for name, folder in damaged.items()),
              ([f"data.path={prepared}", "model.vocab=512", "data.dtype=uint32"], "data.dtype"),
              ([f"data.path={prepared / 'train.bin'}", "model.vocab=512", "eval_every=2"],
               "needs a val split")]

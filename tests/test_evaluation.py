@@ -5,6 +5,7 @@ runtime/sample.py)."""
 
 import json
 import struct
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ from data.tokens import PreparedTokens, TokenFile
 from model import llama
 from runtime import sample
 from conftest import run_cli
+from test_data import DAMAGES
 
 SEQ, BATCH, EVAL_BATCHES = 32, 16, 2
 
@@ -236,7 +238,9 @@ SAMPLE_MISTAKES = {
     "unknown key": ["latest", "top_p=0.9"], "a word that is not key=value": ["latest", "ROMEO"],
     "not a number": ["latest", "tokens=many"], "no tokens": ["latest", "tokens=0"],
     "negative temperature": ["latest", "temperature=-1"], "negative top_k": ["latest", "top_k=-5"],
-    "negative seed": ["latest", "seed=-1"],
+    "negative seed": ["latest", "seed=-1"], "infinite temperature": ["latest", "temperature=inf"],
+    "temperature not a number": ["latest", "temperature=nan"],
+    "top_k not a number": ["latest", "top_k=1.5"], "seed not a number": ["latest", "seed=x"],
 }
 
 
@@ -250,3 +254,29 @@ def test_sample_mistakes_are_one_line_before_any_checkpoint_is_read(args, tmp_pa
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_sample_setting_not_a_number_says_which_and_what_it_takes(capsys):
+    import train
+    assert train.main(["sample", "latest", "tokens=abc"]) == 2
+    assert capsys.readouterr().err == "error: sample: tokens='abc': expected int\n"
+
+
+@pytest.mark.parametrize("damage", [*DAMAGES, "tokenizer.json cut short"])
+def test_sample_checks_the_folder_as_training_does(damage, trained, markov, capsys):
+    """The folder the run trained on, damaged after it: one line, as training says it."""
+    import train
+    folder = Path(markov)
+    kept = {f: f.read_bytes() for f in folder.iterdir()}
+    cut = (lambda f: (f / "tokenizer.json").write_bytes(kept[f / "tokenizer.json"][:100]),
+           "does not load")
+    change, said = DAMAGES.get(damage, cut)
+    try:
+        change(folder)
+        assert train.main(["sample", str(trained), "tokens=1"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+        assert said in err, err
+    finally:
+        for file, data in kept.items():
+            file.write_bytes(data)
