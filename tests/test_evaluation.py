@@ -280,3 +280,40 @@ def test_sample_checks_the_folder_as_training_does(damage, trained, markov, caps
     finally:
         for file, data in kept.items():
             file.write_bytes(data)
+
+
+def test_draws_follow_softmax_of_the_logits_over_the_temperature_among_the_top_k():
+    """Draw frequencies against the float64 softmax(logits / T) over the k largest logits,
+    each within 5 binomial standard deviations (a fixed seed: the same draws every run)."""
+    logits = np.array([2.0, 1.6, 1.3, 1.1, 0.3, -2.0])
+    temperature, top_k, n = 0.6, 4, 10_000
+    rng = np.random.default_rng(0)
+    counts = np.bincount([sample.choose(logits, temperature, top_k, rng) for _ in range(n)],
+                         minlength=len(logits))
+    kept = np.argsort(logits)[-top_k:]
+    want = np.zeros(len(logits))
+    want[kept] = np.exp((logits[kept] - logits.max()) / temperature)
+    want /= want.sum()
+    sigma = np.sqrt(n * want * (1 - want))
+    assert np.all(np.abs(counts - n * want) <= 5 * sigma), (counts, n * want)
+    assert counts[want == 0].sum() == 0
+
+
+def test_top_k_1_is_the_most_likely_token_at_any_temperature():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        logits = rng.normal(size=40)
+        assert sample.choose(logits, 1.0, 1, rng) == np.argmax(logits)
+
+
+def test_a_greedy_continuation_past_the_window_follows_the_last_windows_logits(trained):
+    """40 greedy tokens after a short prompt, longer than the model's 32-token window: each
+    one past it is the argmax of the model's logits on the 32 tokens just before it."""
+    model = sample.Model(str(trained))
+    prompt = [model.end_of_text, *model.tokenizer.encode("ba", add_special_tokens=False).ids]
+    ids = prompt + sample.generate(model, "ba", 40, temperature=0, top_k=0, seed=0)
+    positions = range(SEQ, len(ids))  # a full window of tokens before each
+    windows = np.array([ids[p - SEQ:p] for p in positions])
+    logits, _ = llama.forward(model.params, jnp.asarray(windows), model.cfg)
+    best = np.argmax(np.asarray(logits)[:, -1, :320], axis=-1)
+    assert [ids[p] for p in positions] == best.tolist()
