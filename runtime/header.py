@@ -168,4 +168,5 @@ def lines(setup, program, readings, run_dir, first_step: int) -> list[str]:
         hlo = program.step.as_text() if target.platform == "gpu" else None
         out += ["-" * 100, "offloaded, per layer and device, in this run's compiled program:",
                 *own_program.placement_lines(readings.offloaded, hlo)]
+    out += own_program.unplaced_lines(readings.offloaded, setup.run.tag_changes)
     return [*out, "=" * 100]
