@@ -208,6 +208,8 @@ def _bad_prepare_inputs(tmp_path):
                                                  f"tokenizer={tmp_path / 'no-unknown'}"],
         "output below a file": [str(text), f"out={tmp_path / 'one.txt' / 'tokens'}"],
         "seed not a number": [str(text), "out=x", "seed=abc"],
+        "negative seed": [str(text), "out=x", "seed=-1"],
+        "val fraction infinite": [str(text), "out=x", "val_fraction=inf"],
         "val fraction not finite": [str(text), "out=x", "val_fraction=nan"],
         "empty text field": [str(tmp_path / "no-field.jsonl"), "out=x", "text_field="],
         "BPE size not a number": [str(text), "out=x", "tokenizer=bpe:many"],
@@ -221,7 +223,8 @@ BAD_PREPARE = ["no source", "missing source", "empty source", "JSONL line withou
                "output folder not empty", "unknown key", "a flag", "no output",
                "tokenizer.json cut short", "tokenizer_config.json not JSON",
                "a tokenizer failing while it encodes", "output below a file",
-               "seed not a number", "val fraction not finite", "empty text field",
+               "seed not a number", "negative seed", "val fraction not finite",
+               "val fraction infinite", "empty text field",
                "BPE size not a number"]
 
 
@@ -332,3 +335,12 @@ def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_pa
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert said in err, err
         assert not (tmp_path / "runs").exists()
+
+
+def test_shakespeare_before_make_shakespeare_names_it(tmp_path, capsys, monkeypatch):
+    from conftest import run_cli
+    monkeypatch.chdir(tmp_path)  # no datasets/shakespeare/tokens here
+    code, out, err = run_cli(["shakespeare"], tmp_path / "runs", capsys)
+    assert code == 2 and err == ("error: data.path=datasets/shakespeare/tokens: no such file or "
+                                 "folder (make shakespeare writes it)\n")
+    assert not (tmp_path / "runs").exists()
