@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import train
 from conftest import NARROW, start_state
@@ -236,3 +237,34 @@ def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
         assert "TensorStore details" not in err  # the damaged file's own reason, not a repr
     assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
     assert keep == {p: p.read_bytes() for p in keep}  # nothing written over
+
+
+def test_a_failed_read_says_its_reason_once_and_logs_nothing(monkeypatch, caplog, tmp_path):
+    """Orbax's reader, standing in: one read fails (TensorStore's reason the cause of Orbax's
+    wrapper), and asyncio logs each other pending read's failure at its shutdown, as Orbax's
+    does: the line gives the reason, and none of that logging gets out."""
+    import logging
+
+    class Reader:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def restore(self, *args, **kwargs):
+            for _ in range(3):
+                logging.getLogger("asyncio").error("unhandled exception during asyncio.run() "
+                                                   "shutdown")
+            raise Exception("Encountered error while reading array index. See full TensorStore "
+                            "details: <bound method ...>") from ValueError(
+                                "OUT_OF_RANGE: value of size 20\nmore")
+
+    monkeypatch.setattr(checkpoints.ocp, "Checkpointer", lambda handler: Reader())
+    level = logging.getLogger("asyncio").level
+    with caplog.at_level(logging.DEBUG), pytest.raises(checkpoints.CheckpointNotFound) as raised:
+        checkpoints._read(tmp_path, meta=checkpoints.ocp.args.JsonRestore())
+    assert str(raised.value) == (f"checkpoint {tmp_path} does not read back: OUT_OF_RANGE: "
+                                 "value of size 20")
+    assert not [r for r in caplog.records if r.name == "asyncio"]
+    assert logging.getLogger("asyncio").level == level  # as it was, after the read
