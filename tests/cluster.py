@@ -1,10 +1,8 @@
 """A local JAX cluster for the tests: processes of 4 CPU devices each, an explicit launch
 (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) on a free port."""
 
-import ctypes
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -28,23 +26,10 @@ def launch(script: list[str], n: int, folder: Path, **env) -> list[subprocess.Po
                               "--xla_force_host_platform_device_count=4",
                  "JAX_NUM_PROCESSES": str(n), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
                  **env})
-    return [subprocess.Popen([sys.executable, *script], env={**base, "JAX_PROCESS_ID": str(i)},
+    alive = [sys.executable, str(Path(__file__).with_name("with_parent.py")), str(os.getpid())]
+    return [subprocess.Popen([*alive, *script], env={**base, "JAX_PROCESS_ID": str(i)},
                              stdout=open(folder / f"out-{i}", "w"),
-                             stderr=open(folder / f"err-{i}", "w"), preexec_fn=_die_with_parent)
-            for i in range(n)]
-
-
-# Loaded here, not in the forked child, where loading could wait on a lock another thread held.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """In the child, before it runs: SIGKILL when the test's process ends, however it ends.
-    JAX's preemption service takes SIGTERM in a cluster's processes, so a stopped `make test`
-    would leave them waiting on each other (Linux's prctl; elsewhere nothing)."""
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                             stderr=open(folder / f"err-{i}", "w")) for i in range(n)]
 
 
 def finish(processes, folder: Path, timeout: float) -> list[tuple[int, str, str]]:
