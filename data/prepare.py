@@ -110,10 +110,22 @@ def _texts(path: Path, field: str) -> Iterator[str]:
                         f"{e.start})") from None
 
 
+def unique_files(sources: tuple[str, ...]) -> list[Path]:
+    """The sources' files in order, each once: a file named twice (itself, and through its
+    folder) would put its documents in the corpus twice, maybe in both splits; said once."""
+    seen: dict[Path, Path] = {}
+    repeated = [path for source in sources for path in _files(source)
+                if seen.setdefault(path.resolve(), path) is not path]
+    if repeated:
+        print(f"prepare: {len(repeated)} file(s) named more than once among the sources, each "
+              f"read once (the first: {repeated[0]})", flush=True)
+    return list(seen.values())
+
+
 def scan(options: Options) -> list[SourceFile]:
     """Every source file with its documents counted (every JSONL line read and checked)."""
     files = [SourceFile(p, sum(1 for _ in _texts(p, options.text_field)), p.stat().st_size)
-             for source in options.sources for p in _files(source)]
+             for p in unique_files(options.sources)]
     if empty := [f.path for f in files if f.size == 0 or f.documents == 0]:
         raise DataError(f"prepare: {empty[0]} is empty")
     return files
@@ -137,6 +149,8 @@ def check_out(out: Path) -> None:
         raise DataError(f"prepare: out={out} exists and is not an empty folder: a prepared "
                         "folder is never overwritten")
     parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise DataError(f"prepare: out={out}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise DataError(f"prepare: out={out}: {parent} is not writable")
 
@@ -179,8 +193,12 @@ def write_splits(files, options, tokenizer, end_of_text: int, val, folder: Path,
         done = pending = 0
 
         def flush():
-            encoded = tokenizer.encode_batch_fast([text for _, text in batch],
-                                                  add_special_tokens=False)
+            try:
+                encoded = tokenizer.encode_batch_fast([text for _, text in batch],
+                                                      add_special_tokens=False)
+            except Exception as e:  # the Rust library's bare Exception (e.g. no unknown token)
+                raise DataError(f"prepare: tokenizer={options.tokenizer} fails on the documents: "
+                                f"{str(e)[:200]}") from None
             for (index, _), encoding in zip(batch, encoded):
                 split = "val" if val[index] else "train"
                 ids = np.array([*encoding.ids, end_of_text], dtype)

@@ -30,19 +30,36 @@ def load(path: str) -> tuple[Tokenizer, str]:
     if not file.is_file():
         raise DataError(f"tokenizer={path}: no tokenizer.json there (a Hugging Face checkpoint "
                         "folder has one; or bpe:N trains one on the corpus)")
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as e:  # the Rust library raises a bare Exception for a malformed file
-        raise DataError(f"tokenizer={path}: {file} does not load: {str(e)[:200]}") from None
-    config = file.parent / "tokenizer_config.json"
-    named = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
-    named = named.get("content") if isinstance(named, dict) else named
+    tokenizer = _from_file(file, f"tokenizer={path}")
+    named = _named_end_of_text(file.parent / "tokenizer_config.json", f"tokenizer={path}")
     candidates = [named] if named else END_OF_TEXT_NAMES
     found = [name for name in candidates if tokenizer.token_to_id(name) is not None]
     if not found:
         raise DataError(f"tokenizer={path}: no end-of-text token in its vocabulary (looked for "
                         f"{', '.join(candidates)})")
     return _literal(tokenizer), found[0]
+
+
+def _from_file(file: Path, said: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+        raise DataError(f"{said}: {file} does not load: {str(e)[:200]}") from None
+
+
+def _named_end_of_text(config: Path, said: str) -> str | None:
+    """tokenizer_config.json's `eos_token` (a name, or a dict with its `content`), if any."""
+    if not config.is_file():
+        return None
+    try:
+        record = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{said}: {config} is not JSON ({e})") from None
+    named = record.get("eos_token") if isinstance(record, dict) else None
+    named = named.get("content") if isinstance(named, dict) else named
+    if named is not None and not isinstance(named, str):
+        raise DataError(f"{said}: {config}'s eos_token is {named!r}, not a token's name")
+    return named
 
 
 def train_bpe(texts: Iterable[str], size: int, documents: int) -> Tokenizer:
@@ -60,4 +77,4 @@ def train_bpe(texts: Iterable[str], size: int, documents: int) -> Tokenizer:
 
 def read(path: Path) -> Tokenizer:
     """A prepared folder's tokenizer.json, as `prepare` used it."""
-    return _literal(Tokenizer.from_file(str(path)))
+    return _literal(_from_file(path, f"data.path={path.parent}"))

@@ -14,6 +14,10 @@ DTYPES = ("uint16", "uint32")
 _READ = 1 << 24  # tokens per read when a whole file is scanned
 
 
+# The prepared folders this repository's scripts write, by the command that writes them.
+MADE_BY = {"datasets/shakespeare/tokens": "make shakespeare"}
+
+
 class DataError(ValueError):
     """A missing or malformed text, token file or prepared folder: one line, exit status 2."""
 
@@ -107,27 +111,42 @@ class PreparedTokens(TokenFile):
                 f"{self.meta['vocab_size']:,})")
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_meta(folder: Path) -> dict:
-    """A prepared folder's meta.json, checked against its files (the dtype, each split's size)."""
+    """A prepared folder's meta.json, checked against its files (the dtype, each split's size,
+    the end-of-text id, the tokenizer): the one check of a folder training, evaluation and
+    sampling read, so what one command takes the others take too."""
+    said = f"data.path={folder}: {META}"
     try:
         meta = json.loads((folder / META).read_text())
         dtype, vocab, splits = meta["dtype"], meta["vocab_size"], meta["splits"]
         counts = {split: splits[split]["tokens"] for split in ("train", "val")}
+        end_of_text = meta["end_of_text"]["id"]
     except FileNotFoundError:
         raise DataError(f"data.path={folder}: a folder without {META} (python train.py prepare "
                         "writes one; a bare token file is given by its .bin path)") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"data.path={folder}: {META} is not a prepared folder's ({e!r})") from None
-    if dtype not in DTYPES or not isinstance(vocab, int) or vocab < 1:
-        raise DataError(f"data.path={folder}: {META} has dtype {dtype!r} and vocab_size "
-                        f"{vocab!r}; expected uint16 or uint32 and a positive size")
+        raise DataError(f"{said} is not a prepared folder's ({e!r})") from None
+    if dtype not in DTYPES or not _count(vocab) or vocab < 1:
+        raise DataError(f"{said} has dtype {dtype!r} and vocab_size {vocab!r}; expected uint16 "
+                        "or uint32 and a positive whole size")
+    if bad := [f"{split} tokens {n!r}" for split, n in counts.items() if not _count(n)]:
+        raise DataError(f"{said} has {bad[0]}: expected a whole count >= 0")
+    if not _count(end_of_text) or end_of_text >= vocab:
+        raise DataError(f"{said} has end-of-text id {end_of_text!r}: expected one of its "
+                        f"vocabulary's {vocab:,} ids")
     for split, file in (("train", TRAIN), ("val", VAL)):
         path = folder / file
         size = path.stat().st_size if path.is_file() else None
         if size != counts[split] * np.dtype(dtype).itemsize:
             found = "no file" if size is None else f"{size:,} bytes"
-            raise DataError(f"data.path={folder}: {META} says {file} holds {counts[split]:,} "
-                            f"{dtype} tokens, but it has {found}")
+            raise DataError(f"{said} says {file} holds {counts[split]:,} {dtype} tokens, but it "
+                            f"has {found}")
+    if not (folder / TOKENIZER).is_file():
+        raise DataError(f"data.path={folder}: no {TOKENIZER} (python train.py prepare writes one)")
     return meta
 
 
@@ -138,6 +157,10 @@ def token_source(path: str, dtype: str, vocab: int, seed: int, seq: int) -> Toke
     """Checked up front: a bad file or folder fails before anything is compiled or written."""
     if not path:
         return SyntheticTokens(vocab, seed)
+    if not os.path.exists(path):
+        made_by = MADE_BY.get(os.path.normpath(path))
+        raise DataError(f"data.path={path}: no such file or folder" + (
+            f" ({made_by} writes it)" if made_by else " (python train.py prepare writes one)"))
     if os.path.isdir(path):
         return PreparedTokens(path, dtype, vocab, seed, seq)
     return TokenFile(path, "uint16" if dtype == "auto" else dtype, vocab, seed, seq)

@@ -43,12 +43,28 @@ class CheckpointNotFound(ConfigError):
 
 def _read(step_dir: Path, **items) -> dict:
     """Items of one step folder (a reader: it never creates, writes or deletes anything)."""
+    asyncio_log = logging.getLogger("asyncio")
+    level = asyncio_log.level
+    # A damaged file fails one read; Orbax's asyncio.run then logs each other pending read's
+    # failure at its shutdown (thousands of lines), before the one line below says why.
+    asyncio_log.setLevel(logging.CRITICAL)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
             return reader.restore(step_dir.absolute(), args=ocp.args.Composite(**items))
     except Exception as e:  # Orbax and TensorStore raise many types for damaged files
-        first = (str(e).splitlines() or [type(e).__name__])[0][:200]  # often pages long
-        raise CheckpointNotFound(f"checkpoint {step_dir} does not read back: {first}") from None
+        raise CheckpointNotFound(f"checkpoint {step_dir} does not read back: "
+                                 f"{_reason(e)}") from None
+    finally:
+        asyncio_log.setLevel(level)
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of the error's first cause: TensorStore's says what is wrong with which
+    file; Orbax's wrapper around it, only that a read failed (and a repr of the store)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).split(" See full TensorStore details")[0]
+    return (text.splitlines() or [type(error).__name__])[0][:200]
 
 
 def _plain(value) -> object:

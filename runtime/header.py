@@ -60,8 +60,8 @@ def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str,
         "devices": f"{target.description}, mesh "
                    f"{dict(zip(MESH_AXES, run.mesh.shape(devices)))}",
         "batch": f"{batch} sequences x {run.seq} tokens ({batch / devices:g} per device; "
-                 f"per_device_batch={run.per_device_batch}, global_batch={run.global_batch}), "
-                 f"{run.steps} steps",
+                 + (f"global_batch={run.global_batch}" if run.global_batch  # the one that counts
+                    else f"per_device_batch={run.per_device_batch}") + f"), {run.steps} steps",
         "optimizer": _optimizer_words(setup),
         "dtypes": f"params {run.param_dtype}, compute {compute}; softmax, norms and loss float32",
         "kernels": f"{options.describe(hasattr(setup.model, 'n_experts'))}, the loss in "
@@ -169,4 +169,5 @@ def lines(setup, program, readings, run_dir, first_step: int) -> list[str]:
         hlo = program.step.as_text() if target.platform == "gpu" else None
         out += ["-" * 100, "offloaded, per layer and device, in this run's compiled program:",
                 *own_program.placement_lines(readings.offloaded, hlo)]
+    out += own_program.unplaced_lines(readings.offloaded, setup.run.tag_changes)
     return [*out, "=" * 100]

@@ -176,6 +176,17 @@ def size_words(n: int) -> str:
     return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
 
 
+def unplaced_lines(offloaded: dict[str, list[Tagged]], tag_changes) -> list[str]:
+    """A line per `placement.<tag>=offload` change the traced step offloads nothing of: the
+    backward pass never reads that tag, so no placement of it changes anything."""
+    moved = {(v.scan, v.tag) for sites in offloaded.values() for v in sites}
+    moved_tags = {tag for _, tag in moved}
+    return [f"placement.{key}=offload places nothing: the backward pass never reads it "
+            "(python -m study plan EXPERIMENT lists what it reads)"
+            for key, where in tag_changes.items() if where == "offload"
+            and (tuple(key.rsplit(".", 1)) not in moved if "." in key else key not in moved_tags)]
+
+
 def placement_lines(offloaded: dict[str, list[Tagged]], hlo_text: str | None) -> list[str]:
     """Per offloaded tag (per scan) its value per layer and device, and where the compiled
     program keeps it: a stacked host buffer (GPU), or device memory (CPUs drop host placements)."""

@@ -73,8 +73,11 @@ def say(text: str = "") -> None:
 
 
 def checkpoint_line(name: str, args, run, run_dir: RunDir, path: Path, stopped_by) -> str:
-    """Where the last checkpoint is and the command that continues from it."""
-    stop = f"stopped by {stopped_by.name}; " if stopped_by else ""
+    """Where the last checkpoint is and, for a stopped run, the command that continues from it
+    (a finished one has no steps left: a resume of it is refused)."""
+    if not stopped_by:
+        return f"checkpoint  {path} (complete)"
+    stop = f"stopped by {stopped_by.name}; "
     resume = run_dir.checkpoints if run.checkpoint_dir else run_dir.path
     args = [a for a in args if not a.startswith(("resume=", "checkpoint_dir="))]
     return (f"checkpoint  {stop}{path} (complete); continue with: python train.py "

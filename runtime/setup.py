@@ -52,7 +52,7 @@ def choose_scale(name: str, model, run: configs.RunConfig, requested: str, devic
         len(devices) == need if need else len(devices) % (mesh.data * mesh.expert) == 0)
     count = need or f"a multiple of {mesh.data * mesh.expert}"
     if requested == "full" and not enough:
-        raise ConfigError(f"{name} at full scale needs {count} accelerators (mesh "
+        raise ConfigError(f"{name} at full scale needs {count} accelerator(s) (mesh "
                           f"data={mesh.data} x fsdp={mesh.fsdp} x expert={mesh.expert}); this "
                           f"machine has {have}")
     if requested == "fit" and platform != "gpu" and not run.fit_memory:
@@ -62,7 +62,7 @@ def choose_scale(name: str, model, run: configs.RunConfig, requested: str, devic
         return requested, f"asked for; this machine has {have}"
     if enough:
         return "full", f"{have} cover the experiment's mesh"
-    why = f"full scale needs {count} accelerators; this machine has {have}"
+    why = f"full scale needs {count} accelerator(s); this machine has {have}"
     return ("fit", why + ": its layers, as many as fit") if platform == "gpu" else ("proxy", why)
 
 

@@ -12,7 +12,7 @@
     python -m study compile-table [EXPERIMENT ...] [key=value ...]   every row's compiled memory
     python -m study bench [EXPERIMENT ...] [key=value ...]   proxy step time on this machine
     python -m study checkpoint-bench [EXPERIMENT ...] [steps=N]   checkpoint save, restore costs
-    python -m study gpu-check [--smoke]                 gradients and step times on a real GPU
+    python -m study gpu-check [--smoke] [out_dir=DIR]   gradients and step times on a real GPU
 
 A comparison (llama405b-compare) plans, compiles or searches each of its rows (the tools take
 it as its rows). Any mistake is one line and exit status 2, before anything is traced or

@@ -40,7 +40,7 @@ def compile(name: str, args: list[str]) -> None:
     check_out_dir(setup)
     row = compile_row(setup, gpu)
     run, target = setup.run, row.program.target
-    print(f"compiled: {name} at full scale for {target.description}, compile-only, "
+    print(f"compiled: {name} at full scale for {target.description}, "
           f"topology {gpu.topology(len(target.devices))}, mesh {dict(row.mesh.shape)}, "
           f"{header.model_line(setup.model)}; in {row.program.compile_s:.1f} s")
     deviceless = " ".join(f"{k}={v}" for k, v in DEVICELESS.items())

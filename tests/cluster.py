@@ -26,7 +26,8 @@ def launch(script: list[str], n: int, folder: Path, **env) -> list[subprocess.Po
                               "--xla_force_host_platform_device_count=4",
                  "JAX_NUM_PROCESSES": str(n), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
                  **env})
-    return [subprocess.Popen([sys.executable, *script], env={**base, "JAX_PROCESS_ID": str(i)},
+    alive = [sys.executable, str(Path(__file__).with_name("with_parent.py")), str(os.getpid())]
+    return [subprocess.Popen([*alive, *script], env={**base, "JAX_PROCESS_ID": str(i)},
                              stdout=open(folder / f"out-{i}", "w"),
                              stderr=open(folder / f"err-{i}", "w")) for i in range(n)]
 

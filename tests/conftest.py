@@ -12,6 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,6 +53,19 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _end_with_parent(parent: int) -> None:
+    """An xdist worker ends when its controller does: a run in progress takes SIGTERM as a
+    request to stop at the next step (runtime/checkpoints.py), so a stopped `make test` would
+    leave the worker going on to its next test."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
 def pytest_sessionfinish(session, exitstatus):

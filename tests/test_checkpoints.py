@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import train
 from conftest import NARROW, start_state
@@ -70,7 +71,11 @@ def run_and_resume(name: str, extra: list[str], tmp_path: Path, capsys):
 
 
 def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
-    whole, resumed, out = run_and_resume("llama405b-offload", [], tmp_path / "runs", capsys)
+    # mlpwo offloaded too: the backward pass never reads it (python -m study plan says
+    # "nothing to place"), so the program is the same, and the header says so.
+    whole, resumed, out = run_and_resume("llama405b-offload", ["placement.mlpwo=offload"],
+                                         tmp_path / "runs", capsys)
+    assert out.count("placement.mlpwo=offload places nothing") == 1
     assert "PROXY" in out and "405,853,388,800 parameters" in out
     assert "NOT applied: cpu backend" in out  # GPU flags shown, and said to be unused
     # Where the full-scale plan and placement list are (tests/test_study.py checks them), and
@@ -81,7 +86,8 @@ def test_llama_resume_is_bit_identical_reshards_and_exports(tmp_path, capsys):
     assert out.count("device memory: this backend drops host placements") == 3
     assert ("NVFP4 values (16x16 tiles) for every GEMM of the layer matrices, multiplied in the "
             "compute dtype" in out)
-    assert f"checkpoint  {whole / 'checkpoints' / '4'} (complete)" in out
+    # A finished run has no steps left: no "continue with" (only a stopped run has one).
+    assert f"checkpoint  {whole / 'checkpoints' / '4'} (complete)\n" in out
     assert json.loads((whole / "summary.json").read_text())["median_step_s"] > 0
     assert list(losses(resumed)) == [3, 4]
     assert losses(resumed) == {k: v for k, v in losses(whole).items() if k > 2}
@@ -200,6 +206,10 @@ def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
     shutil.copytree(run_dir / "checkpoints", corrupt)
     for data in (corrupt / "2" / "params").rglob("d/*"):
         data.write_bytes(data.read_bytes()[:10])
+    truncated = tmp_path / "truncated"  # its arrays' data cut short, its indexes whole
+    shutil.copytree(run_dir / "checkpoints", truncated)
+    for data in (truncated / "2" / "params").glob("ocdbt.process_*/d/*"):
+        data.write_bytes(data.read_bytes()[:20])
     foreign = tmp_path / "foreign"
     shutil.copytree(run_dir / "checkpoints" / "1", foreign / "1")
     (foreign / "1" / "meta" / "metadata").write_text('{"step": 1}')
@@ -217,11 +227,44 @@ def test_bad_checkpoint_input_is_one_line_and_status_2(tmp_path, capsys):
         ["export", str(run_dir), f"hf_dir={run_dir}"], ["export", str(run_dir)],
         ["export", str(run_dir), f"hf_dir={tmp_path / 'hf'}", "dtype=int8"],
         ["export", str(corrupt / "2"), f"hf_dir={tmp_path / 'hf'}"],
+        ["export", str(truncated / "2"), f"hf_dir={tmp_path / 'hf'}"],
         ["export", "latest", f"hf_dir={tmp_path / 'hf'}"],
     ]
     for args in cases:
         elsewhere = args[0] == "export" or any(a.startswith("out_dir=") for a in args)
         code, _, err = cli(args if elsewhere else [*args, f"out_dir={tmp_path / 'out'}"], capsys)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (args, err)
+        assert "TensorStore details" not in err  # the damaged file's own reason, not a repr
     assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
     assert keep == {p: p.read_bytes() for p in keep}  # nothing written over
+
+
+def test_a_failed_read_says_its_reason_once_and_logs_nothing(monkeypatch, caplog, tmp_path):
+    """Orbax's reader, standing in: one read fails (TensorStore's reason the cause of Orbax's
+    wrapper), and asyncio logs each other pending read's failure at its shutdown, as Orbax's
+    does: the line gives the reason, and none of that logging gets out."""
+    import logging
+
+    class Reader:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def restore(self, *args, **kwargs):
+            for _ in range(3):
+                logging.getLogger("asyncio").error("unhandled exception during asyncio.run() "
+                                                   "shutdown")
+            raise Exception("Encountered error while reading array index. See full TensorStore "
+                            "details: <bound method ...>") from ValueError(
+                                "OUT_OF_RANGE: value of size 20\nmore")
+
+    monkeypatch.setattr(checkpoints.ocp, "Checkpointer", lambda handler: Reader())
+    level = logging.getLogger("asyncio").level
+    with caplog.at_level(logging.DEBUG), pytest.raises(checkpoints.CheckpointNotFound) as raised:
+        checkpoints._read(tmp_path, meta=checkpoints.ocp.args.JsonRestore())
+    assert str(raised.value) == (f"checkpoint {tmp_path} does not read back: OUT_OF_RANGE: "
+                                 "value of size 20")
+    assert not [r for r in caplog.records if r.name == "asyncio"]
+    assert logging.getLogger("asyncio").level == level  # as it was, after the read

@@ -233,11 +233,11 @@ TAKEN = [("global_batch", 0), ("checkpoint_every", 0), ("mesh.fsdp", -1), ("expe
          ("optimizer.min_lr_ratio", 1), ("optimizer.b1", 0), ("optimizer.b2", 0.999),
          ("optimizer.warmup_steps", 0), ("optimizer.weight_decay", 0), ("router_bias_rate", 0),
          ("balance_loss_weight", 0), ("model.rope_scaling.mscale", 0),
-         ("model.q_lora_rank", None)]
+         ("model.q_lora_rank", None), ("eval_every", 0)]
 REFUSED = [("mesh.expert", 0), ("mesh.data", 0), ("mesh.fsdp", 0), ("seed", 2**63),
            ("optimizer.b1", 1), ("optimizer.b2", 1), ("optimizer.min_lr_ratio", 1.01),
            ("optimizer.lr", 0), ("optimizer.clip_norm", 0), ("keep", 0), ("steps", 0),
-           ("per_device_batch", 0), ("loss_chunks", 0)]
+           ("per_device_batch", 0), ("loss_chunks", 0), ("eval_batches", 0)]
 
 
 @pytest.mark.parametrize(("key", "value"), TAKEN + REFUSED)

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from data import prepare, tokenizer as tokenizers
-from data.tokens import DataError, PreparedTokens, read_meta
+from data.tokens import DataError, PreparedTokens, TokenFile, read_meta
 
 # The test's own text: twelve documents, with what a tokenizer must round-trip (accents, an
 # emoji, runs of blank lines and spaces, and the end-of-text token's name as plain text).
@@ -96,6 +96,65 @@ def test_a_checkpoints_tokenizer_json_and_jsonl_documents(tmp_path):
     assert meta["splits"]["val"]["documents"] == 2
     assert sum(s["tokens"] for s in meta["splits"].values()) == sum(len(t.split()) + 1
                                                                    for t in texts)
+    # Training reads the uint32 folder back whole: its own count of tokens, its own ids.
+    source = PreparedTokens(str(out), "auto", len(words), 0, 4)
+    np.testing.assert_array_equal(source.tokens, np.fromfile(out / "train.bin", np.uint32))
+    assert len(source.tokens) == meta["splits"]["train"]["tokens"]
+
+
+def test_the_vocabulary_counts_added_tokens(tmp_path):
+    """65,536 words (every uint16 id) and an end-of-text token added on top, id 65,536: the
+    files must be uint32, and the token read back."""
+    words = {f"w{i}": i for i in range(2**16)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["</s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = write_docs(tmp_path / "text", [f"w{i} w65535 w{2 * i}" for i in range(10)])
+    meta = prepare.prepare(prepare.parse([str(text), f"out={tmp_path / 'out'}",
+                                          f"tokenizer={tmp_path / 'tokenizer.json'}"]))
+    assert (meta["vocab_size"], meta["dtype"], meta["end_of_text"]["id"]) == (
+        2**16 + 1, "uint32", 2**16)
+    ids = np.fromfile(tmp_path / "out" / "train.bin", np.uint32)
+    assert ids[-1] == 2**16 and 2**16 - 1 in ids
+
+
+def test_the_bpe_is_trained_on_the_train_documents_alone(tmp_path):
+    """The prepared tokenizer is the one trained on the documents train.bin holds, not on
+    the val documents too (their text would leak into the vocabulary)."""
+    # Each document its own made-up words; room for every merge: the vocabulary is the text's.
+    rng = np.random.default_rng(0)
+    documents = [" ".join("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6))
+                          for _ in range(8)) + "\n" for _ in range(12)]
+    out = tmp_path / "prepared"
+    prepare.prepare(prepare.parse([str(write_docs(tmp_path / "text", documents)), f"out={out}",
+                                   "tokenizer=bpe:2000", "val_fraction=0.25"]))
+    tokenizer = tokenizers.read(out / "tokenizer.json")
+    ids = np.fromfile(out / "train.bin", np.uint16)
+    train_docs = [tokenizer.decode(d[:-1].tolist()) for d in split_documents(ids, 0)]
+    assert len(train_docs) == 9 and set(train_docs) < set(documents)
+    # Trained here on the train documents in their order in the corpus.
+    ordered = [d for d in documents if d in train_docs]
+    reference = tokenizers.train_bpe(iter(ordered), 2000, len(ordered))
+    assert tokenizer.get_vocab() == reference.get_vocab()
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, capsys):
+    text = write_docs(tmp_path / "text")
+    meta = prepare.prepare(prepare.parse([str(text), str(text / "doc03.txt"), str(text),
+                                          f"out={tmp_path / 'out'}", "tokenizer=bpe:300"]))
+    assert sum(s["documents"] for s in meta["splits"].values()) == len(DOCUMENTS)
+    said = capsys.readouterr().out.splitlines()[0]
+    assert said.startswith("prepare: 13 file(s) named more than once") and "doc03" in said
+
+
+def test_a_token_id_is_checked_against_the_vocabulary_at_its_edge(tmp_path):
+    """ids 0..vocab-1 are the vocabulary's; id == vocab is one past it."""
+    path = tmp_path / "tokens.bin"
+    np.arange(10, dtype=np.uint16).tofile(path)
+    assert TokenFile(str(path), "uint16", 10, 0, 4).tokens.max() == 9
+    with pytest.raises(DataError, match="token id 9 is outside the model's vocabulary of 9"):
+        TokenFile(str(path), "uint16", 9, 0, 4)
 
 
 def prepare_cli(args, capsys):
@@ -114,6 +173,17 @@ def _bad_prepare_inputs(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     (tmp_path / "one.txt").write_text("a single document")
+    for name, config in (("cut-short", None), ("bad-config", "{'eos_token': "),
+                         ("no-unknown", None)):
+        vocab = {"</s>": 0, "Document": 1}  # no unknown token: the first other word fails
+        tokenizer = Tokenizer(models.WordLevel(vocab))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        (tmp_path / name).mkdir()
+        tokenizer.save(str(tmp_path / name / "tokenizer.json"))
+        if config:
+            (tmp_path / name / "tokenizer_config.json").write_text(config)
+    cut = tmp_path / "cut-short" / "tokenizer.json"
+    cut.write_text(cut.read_text()[:100])
     return {
         "no source": ["out=x"],
         "missing source": [str(tmp_path / "missing.txt"), "out=x"],
@@ -131,6 +201,18 @@ def _bad_prepare_inputs(tmp_path):
         "unknown key": [str(text), "out=x", "vocab=300"],
         "a flag": [str(text), "out=x", "--force"],
         "no output": [str(text)],
+        "tokenizer.json cut short": [str(text), "out=x", f"tokenizer={tmp_path / 'cut-short'}"],
+        "tokenizer_config.json not JSON": [str(text), "out=x",
+                                           f"tokenizer={tmp_path / 'bad-config'}"],
+        "a tokenizer failing while it encodes": [str(text), "out=x",
+                                                 f"tokenizer={tmp_path / 'no-unknown'}"],
+        "output below a file": [str(text), f"out={tmp_path / 'one.txt' / 'tokens'}"],
+        "seed not a number": [str(text), "out=x", "seed=abc"],
+        "negative seed": [str(text), "out=x", "seed=-1"],
+        "val fraction infinite": [str(text), "out=x", "val_fraction=inf"],
+        "val fraction not finite": [str(text), "out=x", "val_fraction=nan"],
+        "empty text field": [str(tmp_path / "no-field.jsonl"), "out=x", "text_field="],
+        "BPE size not a number": [str(text), "out=x", "tokenizer=bpe:many"],
     }
 
 
@@ -138,7 +220,17 @@ BAD_PREPARE = ["no source", "missing source", "empty source", "JSONL line withou
                "JSONL line not JSON", "folder without tokenizer.json",
                "BPE below the byte alphabet", "val fraction leaving val empty",
                "val fraction leaving train empty", "one document", "val fraction out of range",
-               "output folder not empty", "unknown key", "a flag", "no output"]
+               "output folder not empty", "unknown key", "a flag", "no output",
+               "tokenizer.json cut short", "tokenizer_config.json not JSON",
+               "a tokenizer failing while it encodes", "output below a file",
+               "seed not a number", "negative seed", "val fraction not finite",
+               "val fraction infinite", "empty text field",
+               "BPE size not a number"]
+
+
+# What a line must say where a true but misleading one was said before.
+SAID = {"output below a file": "one.txt is a file, not a folder",
+        "a tokenizer failing while it encodes": "Missing [UNK] token"}
 
 
 @pytest.mark.parametrize("case", BAD_PREPARE)
@@ -149,6 +241,7 @@ def test_bad_prepare_input_is_one_line_and_status_2(case, tmp_path, capsys, monk
     code, out, err = prepare_cli(args, capsys)
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert SAID.get(case, "") in err
     # Nothing written: no folder (not even a partial one), the full folder as it was.
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
@@ -183,6 +276,40 @@ def test_a_prepared_folder_is_checked_against_its_meta(prepared):
         read_meta(prepared)
 
 
+def _meta_change(change):
+    def damage(folder):
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps(change(meta)))
+    return damage
+
+
+# Damages to a prepared folder, done in place: (the damage, what its line says). Every command
+# that reads a folder (training, evaluation, sampling: tests/test_evaluation.py) says them alike.
+DAMAGES = {
+    "counts as strings": (_meta_change(lambda m: {**m, "splits": {
+        s: {**c, "tokens": str(c["tokens"])} for s, c in m["splits"].items()}}),
+        "expected a whole count"),
+    "counts as floats": (_meta_change(lambda m: {**m, "splits": {
+        s: {**c, "tokens": float(c["tokens"])} for s, c in m["splits"].items()}}),
+        "expected a whole count"),
+    "no end of text": (_meta_change(lambda m: {k: v for k, v in m.items() if k != "end_of_text"}),
+                       "'end_of_text'"),
+    "end of text outside the vocabulary": (_meta_change(lambda m: {**m, "end_of_text": {
+        **m["end_of_text"], "id": m["vocab_size"]}}), "expected one of its vocabulary's"),
+    "no tokenizer.json": (lambda folder: (folder / "tokenizer.json").unlink(),
+                          "no tokenizer.json"),
+}
+
+
+def damage_folder(prepared, folder, name: str):
+    """A copy of `prepared` with the damage DAMAGES[name] done to it."""
+    folder.mkdir()
+    for file in prepared.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    DAMAGES[name][0](folder)
+    return folder
+
+
 def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_path, capsys):
     """train.py on a prepared folder the model cannot use: its vocabulary smaller than the
     tokenizer's, a meta.json that disagrees with the files, a data.dtype against the folder's,
@@ -195,8 +322,11 @@ def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_pa
         (broken / name).write_bytes((prepared / name).read_bytes())
     (broken / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
     small = ["steps=1", "seq=8", "model.n_layers=1", "quant=none"]
+    damaged = {name: damage_folder(prepared, tmp_path / name, name) for name in DAMAGES}
     cases = [([f"data.path={prepared}", "model.vocab=256"], "does not cover"),
              ([f"data.path={broken}", "model.vocab=512"], "but it has"),
+             *(([f"data.path={folder}", "model.vocab=512"], DAMAGES[name][1])
+               for name, folder in damaged.items()),
              ([f"data.path={prepared}", "model.vocab=512", "data.dtype=uint32"], "data.dtype"),
              ([f"data.path={prepared / 'train.bin'}", "model.vocab=512", "eval_every=2"],
               "needs a val split")]
@@ -205,3 +335,12 @@ def test_a_bad_prepared_folder_is_one_line_before_anything_runs(prepared, tmp_pa
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert said in err, err
         assert not (tmp_path / "runs").exists()
+
+
+def test_shakespeare_before_make_shakespeare_names_it(tmp_path, capsys, monkeypatch):
+    from conftest import run_cli
+    monkeypatch.chdir(tmp_path)  # no datasets/shakespeare/tokens here
+    code, out, err = run_cli(["shakespeare"], tmp_path / "runs", capsys)
+    assert code == 2 and err == ("error: data.path=datasets/shakespeare/tokens: no such file or "
+                                 "folder (make shakespeare writes it)\n")
+    assert not (tmp_path / "runs").exists()

@@ -5,6 +5,7 @@ runtime/sample.py)."""
 
 import json
 import struct
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ from data.tokens import PreparedTokens, TokenFile
 from model import llama
 from runtime import sample
 from conftest import run_cli
+from test_data import DAMAGES
 
 SEQ, BATCH, EVAL_BATCHES = 32, 16, 2
 
@@ -236,7 +238,9 @@ SAMPLE_MISTAKES = {
     "unknown key": ["latest", "top_p=0.9"], "a word that is not key=value": ["latest", "ROMEO"],
     "not a number": ["latest", "tokens=many"], "no tokens": ["latest", "tokens=0"],
     "negative temperature": ["latest", "temperature=-1"], "negative top_k": ["latest", "top_k=-5"],
-    "negative seed": ["latest", "seed=-1"],
+    "negative seed": ["latest", "seed=-1"], "infinite temperature": ["latest", "temperature=inf"],
+    "temperature not a number": ["latest", "temperature=nan"],
+    "top_k not a number": ["latest", "top_k=1.5"], "seed not a number": ["latest", "seed=x"],
 }
 
 
@@ -250,3 +254,66 @@ def test_sample_mistakes_are_one_line_before_any_checkpoint_is_read(args, tmp_pa
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_sample_setting_not_a_number_says_which_and_what_it_takes(capsys):
+    import train
+    assert train.main(["sample", "latest", "tokens=abc"]) == 2
+    assert capsys.readouterr().err == "error: sample: tokens='abc': expected int\n"
+
+
+@pytest.mark.parametrize("damage", [*DAMAGES, "tokenizer.json cut short"])
+def test_sample_checks_the_folder_as_training_does(damage, trained, markov, capsys):
+    """The folder the run trained on, damaged after it: one line, as training says it."""
+    import train
+    folder = Path(markov)
+    kept = {f: f.read_bytes() for f in folder.iterdir()}
+    cut = (lambda f: (f / "tokenizer.json").write_bytes(kept[f / "tokenizer.json"][:100]),
+           "does not load")
+    change, said = DAMAGES.get(damage, cut)
+    try:
+        change(folder)
+        assert train.main(["sample", str(trained), "tokens=1"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+        assert said in err, err
+    finally:
+        for file, data in kept.items():
+            file.write_bytes(data)
+
+
+def test_draws_follow_softmax_of_the_logits_over_the_temperature_among_the_top_k():
+    """Draw frequencies against the float64 softmax(logits / T) over the k largest logits,
+    each within 5 binomial standard deviations (a fixed seed: the same draws every run)."""
+    logits = np.array([2.0, 1.6, 1.3, 1.1, 0.3, -2.0])
+    temperature, top_k, n = 0.6, 4, 10_000
+    rng = np.random.default_rng(0)
+    counts = np.bincount([sample.choose(logits, temperature, top_k, rng) for _ in range(n)],
+                         minlength=len(logits))
+    kept = np.argsort(logits)[-top_k:]
+    want = np.zeros(len(logits))
+    want[kept] = np.exp((logits[kept] - logits.max()) / temperature)
+    want /= want.sum()
+    sigma = np.sqrt(n * want * (1 - want))
+    assert np.all(np.abs(counts - n * want) <= 5 * sigma), (counts, n * want)
+    assert counts[want == 0].sum() == 0
+
+
+def test_top_k_1_is_the_most_likely_token_at_any_temperature():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        logits = rng.normal(size=40)
+        assert sample.choose(logits, 1.0, 1, rng) == np.argmax(logits)
+
+
+def test_a_greedy_continuation_past_the_window_follows_the_last_windows_logits(trained):
+    """40 greedy tokens after a short prompt, longer than the model's 32-token window: each
+    one past it is the argmax of the model's logits on the 32 tokens just before it."""
+    model = sample.Model(str(trained))
+    prompt = [model.end_of_text, *model.tokenizer.encode("ba", add_special_tokens=False).ids]
+    ids = prompt + sample.generate(model, "ba", 40, temperature=0, top_k=0, seed=0)
+    positions = range(SEQ, len(ids))  # a full window of tokens before each
+    windows = np.array([ids[p - SEQ:p] for p in positions])
+    logits, _ = llama.forward(model.params, jnp.asarray(windows), model.cfg)
+    best = np.argmax(np.asarray(logits)[:, -1, :320], axis=-1)
+    assert [ids[p] for p in positions] == best.tolist()
