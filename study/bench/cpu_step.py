@@ -3,10 +3,12 @@ families' proxies, beside this machine's large-matmul rate measured in the same 
 
     python -m study cpu-step [steps=N] [rounds=R]
 
-Each round times the 2048^3 f32 matmul and then every size, `steps` steps each, so every ratio
-is one round's; the spread over rounds is the machine's noise (shared cores move every figure).
-"step" is the compiled step alone, the state donated; "loop" adds what the trainer's loop does
-on the host each step (the next batch made and transferred, the metrics fetched as floats)."""
+Each round times the 2048^3 f32 matmul and then every size, so every ratio is one round's; the
+spread over rounds is the machine's noise (shared cores move every figure). nanoGPT's size runs
+`steps` steps a round, a proxy as many as take the same FLOPs (at least 3: a proxy step does
+~15x the FLOPs). "step" is the compiled step alone, the state donated; "loop" adds what the
+trainer's loop does on the host each step (the next batch made and transferred, the metrics
+fetched as floats)."""
 
 import dataclasses
 import statistics
@@ -87,15 +89,16 @@ def options_of(argv: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     options = options_of(argv)
     sizes = {label: prepared(*what) for label, what in SIZES.items()}
+    nanogpt = sizes["nanogpt"]
     ceilings, times = [], {(label, m): [] for label in sizes for m in ("step", "loop")}
     for _ in range(options["rounds"]):
         ceilings.append(matmul_ceiling())
         for label, size in sizes.items():
+            steps = max(3, round(options["steps"] * nanogpt.flops / size.flops))
             for mode in ("step", "loop"):
-                times[label, mode].append(size.time(options["steps"], mode == "loop"))
-    print(f"CPU step, 1 {jax.default_backend()} device, {jax.local_device_count()} devices' "
-          f"worth of cores; {options['rounds']} rounds of {options['steps']} steps (medians; "
-          "min-max over rounds)")
+                times[label, mode].append(size.time(steps, mode == "loop"))
+    print(f"CPU step on 1 {jax.default_backend()} device; {options['rounds']} rounds, "
+          f"{options['steps']} steps at nanoGPT's size (medians; min-max over rounds)")
     print(f"ceiling: 2048^3 f32 matmul {statistics.median(ceilings) / 1e9:.1f} GFLOP/s "
           f"({min(ceilings) / 1e9:.1f}-{max(ceilings) / 1e9:.1f})")
     for label, size in sizes.items():
