@@ -9,7 +9,7 @@ READY := $(VENV)/.ready
 COMPILE_READY := $(VENV)/.gpu-compile-ready
 
 .PHONY: help install install-gpu install-gpu-compile lint test test-gpu-compile test-all bench \
-	step-times list clean shakespeare
+	cpu-bench step-times list clean shakespeare
 
 help:
 	@echo "make shakespeare                             a first run on real text: prepare, train, sample"
@@ -25,6 +25,7 @@ help:
 	@echo "make test-gpu-compile  its GPU programs, compiled without a GPU (+2.7 GB of CUDA libraries)"
 	@echo "make test-all both and the slow tests (every row's full-width GPU compile)"
 	@echo "make bench    proxy step time, FLOP rate vs a matmul ceiling; search and checkpoint costs"
+	@echo "make cpu-bench  the CPU step at nanoGPT's size and the proxies: ms, GFLOP/s, share of a matmul's"
 	@echo "make step-times  the study's rows compiled and replayed, against the study's throughput"
 	@echo "make install  create $(VENV) with the pinned dependencies (make install-gpu: + CUDA)"
 
@@ -67,7 +68,12 @@ test-all: lint $(COMPILE_READY)
 
 bench: $(READY)
 	$(PY) -m study bench $(ARGS)
+	$(PY) -m study cpu-step
 	$(PY) -m study checkpoint-bench
+
+# The CPU step at nanoGPT's CPU size and both proxies, against a same-run 2048^3 matmul.
+cpu-bench: $(READY)
+	$(PY) -m study cpu-step $(ARGS)
 
 step-times: $(COMPILE_READY)
 	$(PY) -m study step-times $(ARGS)

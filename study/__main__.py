@@ -11,6 +11,8 @@
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]   every row replayed vs the study
     python -m study compile-table [EXPERIMENT ...] [key=value ...]   every row's compiled memory
     python -m study bench [EXPERIMENT ...] [key=value ...]   proxy step time on this machine
+    python -m study cpu-step [steps=N] [rounds=N]   the CPU step at nanoGPT's size and the
+                                                        proxies', against a same-run matmul
     python -m study checkpoint-bench [EXPERIMENT ...] [steps=N]   checkpoint save, restore costs
     python -m study gpu-check [--smoke] [out_dir=DIR]   gradients and step times on a real GPU
 
@@ -34,7 +36,8 @@ ROWS = ("plan", "compile", "search")  # modes that take one experiment (or a com
 # The other modes: each a module with its own main(argv), imported only when asked for.
 TOOLS = {"fit": "study.compiling.fit_table", "step-times": "study.compiling.step_times",
          "compile-table": "study.compiling.compile_table", "bench": "study.bench.proxy_step",
-         "checkpoint-bench": "study.bench.checkpoint_costs", "gpu-check": "study.bench.gpu_check"}
+         "checkpoint-bench": "study.bench.checkpoint_costs", "gpu-check": "study.bench.gpu_check",
+         "cpu-step": "study.bench.cpu_step"}
 
 
 def main(argv: list[str]) -> int:

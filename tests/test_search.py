@@ -154,3 +154,54 @@ def test_bad_search_option_is_one_line_and_status_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "search.top" in err[0]
     assert study_main(["search", "llama405b-offload", "search.nope=1"]) == 2
+
+
+def _case_scan(name: str, layers: int, tags, batch: int) -> ranking.Scan:
+    return ranking.Scan(name, layers, tuple(ranking.Tag(t, n * batch, at, f * batch, x * batch)
+                                            for t, n, at, f, x in tags),
+                        forward_flops=40.0 * batch, backward_flops=80.0 * batch,
+                        remat_flops=300.0 * batch, exchange=2.0 * batch,
+                        remat_exchange=1.0 * batch, weight_bytes=5, exchange_group=2)
+
+
+# (tag, bytes, position, recompute FLOPs saved, all-to-all bytes saved) per sequence.
+CASE_DENSE = [("decoder_layer_input", 4, 0, 0, 0), ("q", 3, 0.2, 90, 0),
+              ("kv", 2, 0.3, 40, 0), ("out", 4, 0.6, 60, 0)]
+CASE_MOE = [("decoder_layer_input", 4, 0, 0, 0), ("wi", 6, 0.3, 120, 0.5),
+            ("wo", 5, 0.8, 100, 0.4)]
+D, H = "device", "offload"
+# The search's ranking of the case below, as it ranked it before its candidates were built
+# faster (frozen tables, Terms added field by field): best first, (batch, dense table, moe
+# table, schedule, step s); every leader keeps the AdamW state on the device.
+CASE_LEADERS = [
+    (1, {"decoder_layer_input": D, "kv": H, "out": D, "q": D}, {"decoder_layer_input": H,
+     "wi": D, "wo": D}, "LHS", 20.305),
+    (1, {"decoder_layer_input": D, "kv": D, "out": D, "q": H}, {"decoder_layer_input": H,
+     "wi": D, "wo": D}, "LHS+pipelined", 20.465),
+    (1, {"decoder_layer_input": D, "kv": D, "out": D, "q": H}, {"decoder_layer_input": H,
+     "wi": D, "wo": D}, "LHS", 20.625),
+    (1, {"decoder_layer_input": H, "kv": D, "out": D, "q": D}, {"decoder_layer_input": H,
+     "wi": D, "wo": D}, "LHS", 20.865),
+    (1, {"decoder_layer_input": D, "out": D, "q": D}, {"decoder_layer_input": H, "wi": D,
+     "wo": D}, "LHS", 20.865)]
+
+
+def test_the_search_ranks_a_known_case_as_it_always_has():
+    """Two scans (a dense and an expert one, all-to-alls over 2 devices), micro batches 1 and
+    2, both LHS schedules, device memory scarce: the candidates, how many fit, and the five
+    leaders in their order with their step times, fixed (a faster search must rank alike)."""
+    works = {b: ranking.Workload(b, (_case_scan("dense", 2, CASE_DENSE, b),
+                                     _case_scan("moe", 6, CASE_MOE, b)), other_flops=20.0 * b,
+                                 fixed_bytes=100, model_flops=1e15 * b, state_bytes=60)
+             for b in (1, 2)}
+    hw = ranking.Hardware("x", rate=100.0, nvlink=20.0, host_link=5.0, devices=4,
+                          capacity=250, host_capacity=120)
+    ranked = ranking.search(works, hw, [ranking.Schedule(True), ranking.Schedule(True, True)])
+    assert (len(ranked), sum(p.fits for p in ranked)) == (2100, 1344)
+    leaders = [(p.candidate.batch, p.candidate.table("dense"), p.candidate.table("moe"),
+                str(p.candidate.schedule), p.candidate.optimizer_state, p.fits)
+               for p in ranked[:5]]
+    assert leaders == [(b, dense, moe, sched, "device", True)
+                       for b, dense, moe, sched, _ in CASE_LEADERS]
+    assert [p.step_s for p in ranked[:5]] == pytest.approx([s for *_, s in CASE_LEADERS],
+                                                           rel=1e-12)

@@ -12,7 +12,7 @@ from configs import ASYNC_LIMIT, LHS
 from model import deepseek
 from runtime import checkpoints
 from study import cli
-from study.bench import checkpoint_costs, gpu_check, proxy_step
+from study.bench import checkpoint_costs, cpu_step, gpu_check, proxy_step
 from study.compiling import compile_table, fit_table, step_times
 from study.__main__ import main as study_main
 
@@ -22,6 +22,7 @@ ENTRY_POINTS = {cli.memory_plan: ["full_scale"], cli: ["compile_row", "compile_o
                 cli.placements: ["run_search"], step_times: ["compile_row", "predict"],
                 compile_table: ["compile_row"],
                 proxy_step: ["matmul_ceiling", "step_time", "in_a_fresh_process"],
+                cpu_step: ["prepared", "matmul_ceiling"],
                 gpu_check: ["check_gradients", "measure_rows", "check_nvfp4"],
                 fit_table: ["fit_row"], checkpoint_costs: ["save_and_restore", "mean_step_s"]}
 
@@ -83,6 +84,11 @@ MISTAKES = {
                                   "unknown experiment 'llama405b-ofload'"),
     "bench: an unknown key": (["bench", "llama405b-offload", "stepz=3", OUT],
                               "unknown key 'stepz'"),
+    "cpu-step: no steps": (["cpu-step", "steps=0"],
+                           "'steps=0': cpu-step takes steps=N and rounds=N (whole numbers >= 1)"),
+    "cpu-step: a key it does not take": (
+        ["cpu-step", "seq=64"],
+        "'seq=64': cpu-step takes steps=N and rounds=N (whole numbers >= 1)"),
     "checkpoint-bench: a key it does not take": (
         ["checkpoint-bench", "llama405b-offload", "seq=64"],
         "checkpoint-bench: unknown key 'seq'; it takes steps"),

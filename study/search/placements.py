@@ -13,6 +13,7 @@ model's registered rows and ranks those by the replay of their compiled programs
 (study/timing/replay.py)."""
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import configs
@@ -109,10 +110,11 @@ class Tracer:
             return ranking.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
                                *(batch * x for x in saved))
 
+        needed = self.needed(expert)
         scans = []
         for s in self.scans:
             n = step.layers[s]
-            sites = sorted((v for v in step.sites if v.scan == s and (s, v.tag) in step.needed),
+            sites = sorted((v for v in step.sites if v.scan == s and (s, v.tag) in needed),
                            key=lambda v: v.tag != activations.LAYER_INPUT)
             forward, backward = (none.flops.get((s, p), 0.0) / n for p in ("forward", "backward"))
             scans.append(ranking.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
@@ -125,6 +127,12 @@ class Tracer:
         flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
         return ranking.Workload(batch, tuple(scans), other, fixed, flops, state,
                                 self.mesh(expert) if self.moe else None)
+
+    def needed(self, expert: int) -> set[tuple[str, str]]:
+        """(scan, tag) the backward pass reads: the program's structure, not its sizes, so one
+        gradient traced per expert-parallel degree (at the experiment's micro batch) serves
+        every micro batch."""
+        return self.step(self.run.per_device_batch, expert).needed
 
     def remat_plan(self, batch: int, expert: int) -> tuple[int, int]:
         """Peak device bytes with every tag recomputed, without the optimizer state, and the
@@ -203,6 +211,16 @@ def experts_of(experiment: Experiment, gpu: Gpu, text: str) -> list[int]:
     return found
 
 
+def search_without_gc(works: dict, hw: ranking.Hardware) -> list[ranking.Prediction]:
+    """`ranking.search` over both LHS schedules, Python's cyclic collector paused: its hundreds
+    of thousands of candidates hold no cycles, and every collection would walk them all."""
+    gc.disable()
+    try:
+        return ranking.search(works, hw, [ranking.Schedule(True), ranking.Schedule(True, True)])
+    finally:
+        gc.enable()
+
+
 def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result:
     """Search `experiment`'s placements on `gpu`s; the top `exact` fitting candidates and
     the study's rows get their recompute counted from their own trace."""
@@ -216,7 +234,7 @@ def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result
     batches = batches_of(experiment, options["batches"])
     degrees = experts_of(experiment, gpu, options["experts"])
     works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
-    ranked = ranking.search(works, hw, [ranking.Schedule(True), ranking.Schedule(True, True)])
+    ranked = search_without_gc(works, hw)
     # Count the leaders' recompute on their own traces until the leaders are all counted so.
     while (todo := [p for p in ranked[:int(options["exact"])] if p.fits and not p.exact]):
         ranked = ranking.rank([exact(tracer, p.candidate, hw) if p in todo else p for p in ranked])

@@ -17,6 +17,7 @@ all-to-alls feed the GEMMs after them: always exposed."""
 import dataclasses
 import functools
 import itertools
+import operator
 
 import numpy as np
 
@@ -115,10 +116,14 @@ class Candidate:
         return dict(dict(self.placement).get(scan, ()))
 
 
+def frozen_table(table: dict) -> tuple:
+    """One scan's table as a candidate holds it: sorted, its recomputed tags left out."""
+    return tuple(sorted((t, p) for t, p in table.items() if p != "remat"))
+
+
 def make_candidate(batch: int, placement: dict, schedule: Schedule, row: str = "",
                    optimizer_state: str = "device", mesh=None) -> Candidate:
-    frozen = tuple((s, tuple(sorted((t, p) for t, p in table.items() if p != "remat")))
-                   for s, table in sorted(placement.items()))
+    frozen = tuple((s, frozen_table(table)) for s, table in sorted(placement.items()))
     return Candidate(batch, frozen, schedule, row, optimizer_state, mesh)
 
 
@@ -134,9 +139,11 @@ class Terms:
     link_s: float = 0.0  # exposed NVLink collectives
 
     def __add__(self, other: "Terms") -> "Terms":
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
-                  for f in dataclasses.fields(self)}
-        return Terms(**summed | {"prefetch": max(self.prefetch, other.prefetch)})
+        # Spelled out: the search adds these for every candidate (a fields() loop tripled it).
+        return Terms(self.device + other.device, self.host + other.host,
+                     max(self.prefetch, other.prefetch), self.compute_s + other.compute_s,
+                     self.recompute_s + other.recompute_s, self.host_s + other.host_s,
+                     self.link_s + other.link_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,13 +275,15 @@ def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Predict
         exhaustive = max(2 * 3 ** (len(s.tags) - 1) for s in work.scans) <= EXHAUSTIVE
         per_scan = {s.name: scan_tables(s, exhaustive) for s in work.scans}
         for sched in schedules:
-            fronts = [_front([(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
-                              for t in per_scan[s.name]]) for s in work.scans]
-            for combo, state in itertools.product(itertools.product(*fronts), STATES):
-                placement = {s.name: t for s, (t, _) in zip(work.scans, combo)}
-                terms = sum((a for _, a in combo), Terms())
-                found.append(_finish(make_candidate(work.batch, placement, sched, "", state,
-                                                    work.mesh), work, hw, terms, False))
+            # Each front's tables frozen once, not once per combination they enter.
+            fronts = [[((s.name, frozen_table(t)), a) for t, a in _front(
+                [(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
+                 for t in per_scan[s.name]])] for s in work.scans]
+            for combo in itertools.product(*fronts):
+                placement = tuple(sorted(frozen for frozen, _ in combo))
+                terms = functools.reduce(operator.add, (a for _, a in combo))
+                found += [_finish(Candidate(work.batch, placement, sched, "", state, work.mesh),
+                                  work, hw, terms, False) for state in STATES]
     return rank(found)
 
 

@@ -1,0 +1,116 @@
+"""The CPU training step: median ms per step and model FLOP/s at nanoGPT's CPU size and at both
+families' proxies, beside this machine's large-matmul rate measured in the same process.
+
+    python -m study cpu-step [steps=N] [rounds=R]
+
+Each round times the 2048^3 f32 matmul and then every size, so every ratio is one round's; the
+spread over rounds is the machine's noise (shared cores move every figure). nanoGPT's size runs
+`steps` steps a round, a proxy as many as take the same FLOPs (at least 3: a proxy step does
+~15x the FLOPs). "step" is the compiled step alone, the state donated; "loop" adds what the
+trainer's loop does on the host each step (the next batch made and transferred, the metrics
+fetched as floats)."""
+
+import dataclasses
+import statistics
+import time
+
+import jax
+
+from configs import ConfigError
+from model import families
+from runtime import header
+from runtime import setup as runtime_setup
+from runtime.setup import program_for, start_state
+from study.bench.proxy_step import matmul_ceiling
+from trainer import target as trainer_target
+from trainer.program import Program
+
+# nanoGPT's CPU "baby" configuration (4 layers, 4 heads, width 128, block 64, batch 12, f32),
+# as a Llama of the same width: the text experiment's optimizer, synthetic tokens.
+NANOGPT = ("shakespeare", ["model.d_model=128", "model.n_layers=4", "model.n_heads=4",
+                           "model.n_kv_heads=4", "model.head_dim=32", "model.d_ff=344",
+                           "seq=64", "per_device_batch=12", "global_batch=0", "preset=none",
+                           "quant=none", "compute_dtype=float32", "data.path=", "eval_every=0"])
+SIZES = {"nanogpt": NANOGPT, "llama proxy": ("llama405b-offload", []),
+         "deepseek proxy": ("deepseek671b-offload", [])}
+OPTIONS = {"steps": 30, "rounds": 3}
+
+
+@dataclasses.dataclass
+class Size:
+    """One size's step as the trainer compiles it (its Program) for one of this machine's devices,
+    and its state."""
+    setup: runtime_setup.Setup
+    program: Program
+    state: dict
+    flops: float  # model FLOPs per step (MaxText's count)
+
+    def time(self, steps: int, host: bool) -> float:
+        """Median seconds per step; `host`: with the trainer loop's per-step host work."""
+        run, data, size = self.setup.run, self.setup.data, self.program.batch_size
+        batch = self.program.batch(data.batch(0, size, run.seq))
+        times = []
+        for i in range(steps + 1):  # the first call is a warm-up
+            started = time.perf_counter()
+            self.state, metrics = self.program.step(self.state, batch)
+            if host:
+                batch = self.program.batch(data.batch(i + 1, size, run.seq))
+                self.fetched = {k: float(v) for k, v in metrics.items()}
+            else:
+                jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+
+
+def prepared(name: str, words: list[str]) -> Size:
+    """The experiment at proxy scale with `words` on one of this machine's devices, its step
+    compiled and its state made as the trainer does it."""
+    machine = trainer_target.this_machine()
+    one = dataclasses.replace(machine, devices=machine.devices[:1])
+    setup, program = program_for(runtime_setup.resolve(name, words, one.devices), one)
+    program.compile_run()
+    state, _ = start_state(program, setup)
+    flops = families.of(setup.model).training_flops(setup.model, program.batch_size,
+                                                    setup.run.seq)
+    return Size(setup, program, state, flops)
+
+
+def options_of(argv: list[str]) -> dict:
+    found = dict(OPTIONS)
+    for word in argv:
+        key, _, value = word.partition("=")
+        if key not in OPTIONS or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{word!r}: cpu-step takes steps=N and rounds=N (whole numbers "
+                              ">= 1)")
+        found[key] = int(value)
+    return found
+
+
+def main(argv: list[str]) -> int:
+    options = options_of(argv)
+    sizes = {label: prepared(*what) for label, what in SIZES.items()}
+    nanogpt = sizes["nanogpt"]
+    ceilings, times = [], {(label, m): [] for label in sizes for m in ("step", "loop")}
+    for _ in range(options["rounds"]):
+        ceilings.append(matmul_ceiling())
+        for label, size in sizes.items():
+            steps = max(3, round(options["steps"] * nanogpt.flops / size.flops))
+            for mode in ("step", "loop"):
+                times[label, mode].append(size.time(steps, mode == "loop"))
+    print(f"CPU step on 1 {jax.default_backend()} device; {options['rounds']} rounds, "
+          f"{options['steps']} steps at nanoGPT's size (medians; min-max over rounds)")
+    print(f"ceiling: 2048^3 f32 matmul {statistics.median(ceilings) / 1e9:.1f} GFLOP/s "
+          f"({min(ceilings) / 1e9:.1f}-{max(ceilings) / 1e9:.1f})")
+    for label, size in sizes.items():
+        run = size.setup.run
+        print(f"{label}: {header.model_line(size.setup.model)}; batch {run.per_device_batch} x "
+              f"{run.seq}, preset {run.preset}, {size.flops / 1e9:.2f} GFLOP/step")
+        for mode in ("step", "loop"):
+            seconds = times[label, mode]
+            rates = [size.flops / s / c for s, c in zip(seconds, ceilings)]
+            print(f"  {mode}: {statistics.median(seconds) * 1e3:7.1f} ms "
+                  f"({min(seconds) * 1e3:.1f}-{max(seconds) * 1e3:.1f}), "
+                  f"{size.flops / statistics.median(seconds) / 1e9:6.1f} GFLOP/s, "
+                  f"{statistics.median(rates):.0%} of the ceiling "
+                  f"({min(rates):.0%}-{max(rates):.0%})")
+    return 0
