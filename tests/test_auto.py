@@ -1,7 +1,7 @@
 """preset=auto (runtime/auto.py): the candidates each family's rules give; a candidate over the
 budget compiled and never timed; the fastest of given times trained; the neighbours one tag from
 the best-ranked preset, each saving recomputation; a real CPU run within its budget; a resume
-that takes the checkpoint's choice and measures nothing; nothing fitting, one line."""
+that takes the checkpoint's choice and measures nothing; nothing fitting, named."""
 
 import json
 
@@ -13,7 +13,7 @@ from model import deepseek, llama
 from offload import activations
 from runtime import auto, fit as fits
 from runtime import setup as runtime_setup
-from runtime.own_program import CompiledMemory, GiB, step_flops
+from runtime.own_program import CompiledMemory, GiB, size_words, step_flops
 from trainer.program import Program
 from trainer.target import this_machine
 
@@ -127,12 +127,19 @@ def test_a_cpu_run_with_preset_auto_trains_a_candidate_within_its_budget(tiny, t
     assert f"chosen by preset=auto: {record['chosen']} (" in out
 
 
-def test_nothing_fitting_is_one_line_naming_the_smallest_candidate(tmp_path, capsys):
-    code, out, err = run_cli([*TINY, "fit_memory=0.0001"], tmp_path, capsys)
-    assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("error: preset=auto: no candidate fits; the smallest, ")
-    assert "per device of 105 KiB (fit_memory=0.0001 GiB) and " in err
-    assert not list(tmp_path.iterdir())
+def test_nothing_fitting_names_the_smallest_candidate(tiny):
+    """The run stops with this line before its folder is made (a FitError: one line, exit
+    status 2, as tests/test_fit.py holds for the fit scale; train()'s stages:
+    tests/test_reading.py)."""
+    setup, measure = tiny
+    with pytest.raises(fits.FitError) as refused:
+        auto.compiled(setup, budget(2**17), measure, lambda _: None)
+    sizes = {c.name: measure(c.placement)[0].device for c in auto.presets(llama.SCANS, {})}
+    line = str(refused.value)
+    assert line.startswith("preset=auto: no candidate fits; the smallest, ")
+    named = line.split("the smallest, ")[1].split(",")[0]
+    assert sizes[named] == min(sizes.values())
+    assert f"needs {size_words(sizes[named])} per device of {2**17} bytes and " in line
 
 
 def test_an_unknown_preset_is_told_auto_too():
