@@ -98,11 +98,11 @@ def _is_fixed(scan: str, tag: str, fixed: dict) -> bool:
 
 
 def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget: Budget,
-               fixed: dict, traced_flops: Callable[[dict], float]) -> list[Candidate]:
+               fixed: dict) -> list[Candidate]:
     """Up to NEIGHBOURS placements one tag from `best` (its program and compiled memory), each
     a tag it recomputes kept (on device, or offloaded) or one it offloads kept on device: those
-    whose bytes fit what the budget leaves, by the FLOPs keeping the tag saves
-    (`traced_flops(placement)`: a placement's traced step), then the host bytes it stops moving."""
+    whose bytes fit what the budget leaves, by the FLOPs keeping the tag saves (that placement's
+    step traced against `best`'s), then the host bytes it stops moving."""
     devices, jaxpr = len(program.target.devices), program.traced.jaxpr
     sites, moved_sites = tagged_in(jaxpr), offloaded(jaxpr)
     base = step_flops(jaxpr, devices)
@@ -122,7 +122,8 @@ def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget
             if where == "offload":  # kept on device: no FLOPs saved, its transfers saved
                 moves = [("device", 0.0, size)] if 0 < size <= room_device else []
             else:
-                saved = base - traced_flops(changed)
+                kept = Program(program.model, program.run, changed, program.target).traced
+                saved = base - step_flops(kept.jaxpr, devices)
                 moves = [(w, saved, 0.0) for w, room in (("device", room_device),
                                                           ("offload", room_host))
                          if saved > 0 and size <= room]
@@ -168,11 +169,7 @@ def compiled(setup, budget: Budget, measure: Callable, say: Callable[[str], None
     best = min((i for i, r in enumerate(rows) if r.fits), key=rank)
     program, candidate = programs[best], rows[best].candidate
     if candidate.placement is not None:
-        def traced_flops(placement: dict) -> float:
-            traced = Program(program.model, program.run, placement, program.target).traced
-            return step_flops(traced.jaxpr, len(program.target.devices))
-        for near in neighbours(candidate, program, rows[best].memory, budget, fixed,
-                               traced_flops):
+        for near in neighbours(candidate, program, rows[best].memory, budget, fixed):
             compile_(near)
     return rows, programs
 

@@ -548,3 +548,30 @@ def test_a_fit_compiles_for_its_gpus_within_its_budget_with_the_rows_tensors_in_
     in_host = {(line.value.scan, line.value.tag) for line in row.run_tags if line.in_host_memory}
     assert in_host == IN_HOST_MEMORY[name]
     assert all(line.addressing.holds for line in row.run_tags if line.in_host_memory)
+
+
+# DeepSeek's layer narrowed, its attention's head dim kept (192: only the GPU's cuDNN checks,
+# given the target's capability, take it), for preset=auto's candidates on compile-only GPUs;
+# its optimizer state on host: those programs are traced apart from their compiles.
+NARROW_DEEPSEEK = ["model.d_model=256", "model.n_heads=2", "model.q_lora_rank=64",
+                   "model.kv_lora_rank=64", "model.v_head_dim=64", "model.d_ff=256",
+                   "model.moe_d_ff=64", "model.vocab=1024", "model.n_layers=4", "seq=256",
+                   "per_device_batch=1", "optimizer_state=host", "preset=auto"]
+
+
+@pytest.mark.gpu_compile
+def test_preset_autos_candidates_compile_for_gpus_this_machine_lacks():
+    """`python -m study fit ROW preset=auto`: each candidate traced and compiled for one
+    compile-only H200 (the neighbours' traces too under the target's cuDNN checks); the row's
+    own preset is the fit's program, so its figures are the fit's."""
+    line, setup = fit_table.fit_row("deepseek671b-offload", NARROW_DEEPSEEK, GPUS["h200"], 1)
+    assert setup is not None, line
+    rows = [r.split(" | ") for r in fit_table.candidate_lines(setup, GPUS["h200"], 1)
+            if r.startswith("| ") and not r.startswith("| candidate")]
+    names = [r[0].removeprefix("| ") for r in rows]
+    assert names[:7] == ["remat", "minimal", "qkv_offload", "minimal_offloaded",
+                         "dsv3_offload", "dsv3_device", "none"]
+    own = rows[names.index("dsv3_offload")]
+    assert (own[1], own[2]) == (f"{setup.fit.memory.device / GiB:.1f}",
+                                f"{setup.fit.memory.host / GiB:.1f}")
+    assert all(r[3] in ("yes |", "no |") for r in rows)
