@@ -132,6 +132,18 @@ def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
     assert setup.placement == {"layers": best.candidate.table("layers")}
 
 
+def test_one_trace_counts_the_saving_of_a_tag_in_each_scan_as_its_own_trace_would():
+    """The search keeps one tag of every scan in one trace: each scan's backward recomputes only
+    its own layers, so each tag saves what it saves traced alone."""
+    row = configs.get("deepseek671b-offload")
+    tracer = ps.Tracer(row, gpu_of(row.name))
+    kept = {"dense_layers": "mlpwi_0", "moe_layers": "moe_mlpwi_0"}
+    together = tracer.saved(kept)
+    assert all(flops > 0 for flops, _ in together.values())
+    for scan, tag in kept.items():
+        assert together[scan, tag] == tracer.saved({scan: tag})[scan, tag]
+
+
 def test_a_late_tag_waits_for_the_link_unless_pipelined():
     tag = ranking.Tag("late", nbytes=10, position=0.9, saved_flops=0, saved_exchange=0)
     scan = ranking.Scan("s", 1, (ranking.Tag("in", 1, 0, 0, 0), tag), forward_flops=10,

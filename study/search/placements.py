@@ -13,6 +13,7 @@ model's registered rows and ranks those by the replay of their compiled programs
 (study/timing/replay.py)."""
 
 import dataclasses
+import functools
 import gc
 from pathlib import Path
 
@@ -87,13 +88,27 @@ class Tracer:
                           - getattr(base, f).get((s, "backward"), 0.0)) / step.layers[s]
                          for f in ("flops", "exchanged")) for s in self.scans}
 
-    def savings(self, scan: str, tag: str) -> tuple[float, float]:
-        """Recompute FLOPs and all-to-all bytes per layer that keeping `tag` alone saves, at
-        the experiment's micro batch, per sequence (both scale with the tokens)."""
+    def saved(self, kept: dict[str, str]) -> dict[tuple[str, str], tuple[float, float]]:
+        """(scan, tag) -> recompute FLOPs and all-to-all bytes per layer that keeping the tag
+        (`kept`: scan -> tag) alone saves, at the experiment's micro batch, per sequence (both
+        scale with the tokens). A scan's backward recomputes only its own layers, so one trace
+        counts one tag of every scan."""
         batch = self.run.per_device_batch
-        alone = self.recompute(batch, {**self.remat, scan: {tag: "device"}})[scan]
-        remat = self.recompute(batch, self.remat)[scan]
-        return tuple((r - a) / batch for r, a in zip(remat, alone))
+        remat = self.recompute(batch, self.remat)
+        alone = self.recompute(batch, {**self.remat, **{s: {t: "device"} for s, t in kept.items()}})
+        return {(s, t): tuple((r - a) / batch for r, a in zip(remat[s], alone[s]))
+                for s, t in kept.items()}
+
+    @functools.cached_property
+    def savings(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """`saved` for every tag but the layer inputs: as many traces as the scan with the most
+        tags has."""
+        tags = {s: [t for t in tags if t != activations.LAYER_INPUT]
+                for s, tags in families.of(self.model).SCANS.items()}
+        found = {}
+        for i in range(max(map(len, tags.values()))):
+            found |= self.saved({s: names[i] for s, names in tags.items() if i < len(names)})
+        return found
 
     def workload(self, batch: int, expert: int = 0, savings: bool = True) -> ranking.Workload:
         """The search's inputs at one micro batch and expert-parallel degree; without `savings`
@@ -106,7 +121,7 @@ class Tracer:
         def tag(s: str, v) -> ranking.Tag:
             if v.tag == activations.LAYER_INPUT:
                 return ranking.Tag(v.tag, v.nbytes, 0, 0, 0)
-            saved = self.savings(s, v.tag) if savings else (0, 0)
+            saved = self.savings[s, v.tag] if savings else (0, 0)
             return ranking.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
                                *(batch * x for x in saved))
 
