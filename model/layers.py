@@ -108,14 +108,16 @@ def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
     return fp4.einsum(subscripts, x, w.value, w.key, w.quantization, w.gathered)
 
 
-def scan_layers(layer, x, stacked, policy, name: str):
+def scan_layers(layer, x, stacked, options, name: str):
     """Run `layer(x, w) -> (x, out)` over weights stacked on a leading layer axis, each layer
-    under `jax.checkpoint(policy)` (none: no checkpointing), in a named scope that traces,
-    profiles and placement reports use to tell the scans apart."""
+    under `jax.checkpoint` with the scan's policy in `options` (none: no checkpointing),
+    unrolled where they say, in a named scope that traces, profiles and placement reports use
+    to tell the scans apart."""
+    policy = options.policy(name)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     with jax.named_scope(name):
-        return jax.lax.scan(layer, x, stacked)
+        return jax.lax.scan(layer, x, stacked, unroll=options.unrolled)
 
 
 def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float):

@@ -78,7 +78,7 @@ def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
         return block(x, w, cfg, cos, sin, rules, options.attention), None
 
     keys = layer_keys(key, quantization, cfg.n_layers)
-    x, _ = scan_layers(layer, x, (params["layers"], keys), options.policy("layers"), "layers")
+    x, _ = scan_layers(layer, x, (params["layers"], keys), options, "layers")
     return x, {}
 
 

@@ -21,6 +21,7 @@ class ForwardOptions:
     quantization: Quantization | None = None  # the layer matrices' GEMMs in NVFP4
     experts: str = "sorted"  # routed experts without an expert axis: "sorted" or "dense"
     expert_parallel: ExpertParallel | None = None  # routed experts split over an expert axis
+    unrolled: bool = False  # layer scans unrolled in the compiled program (short ones on CPUs)
 
     def policy(self, scan: str) -> Callable | None:
         """The checkpoint policy of each layer of `scan` (None: no checkpointing)."""

@@ -3,6 +3,7 @@ lists; every placement policy gives the loss and gradients of no checkpointing; 
 the unrolled loop; the program exported for a GPU offloads exactly what the table says."""
 
 import dataclasses
+import re
 from functools import partial
 
 import jax
@@ -22,7 +23,7 @@ from model.options import ForwardOptions
 from model.layers import rms_norm, rope_frequencies, rope_tables
 from model.params import abstract_params
 from offload import activations
-from trainer.program import forward_options, make_loss
+from trainer.program import UNROLLED_LAYERS, forward_options, make_loss
 from trainer.target import Target
 
 FAMILIES = {"llama": (llama, TINY_LLAMA), "deepseek": (deepseek, TINY_DEEPSEEK)}
@@ -100,6 +101,30 @@ def test_the_scan_is_the_unrolled_loop():
     unrolled = rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["lm_head"]
     scanned, _ = llama.forward(params, toks, cfg)
     assert_trees_close(scanned, unrolled, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_cpu_runs_a_short_layer_scan_unrolled_with_the_loops_gradients(name):
+    """XLA's CPU backend zero-fills and copies a layer loop's stacked residuals every step, so a
+    CPU program unrolls a scan of up to UNROLLED_LAYERS layers: no loop left in its compiled
+    gradient, and the loop's loss and gradients (to float32 reordering). A longer scan, and
+    every GPU's, keeps the loop."""
+    _, cfg = FAMILIES[name]
+    params, batch = one_device_params(cfg), tokens(cfg, seq=13, seed=3)
+    run = dataclasses.replace(RUN, expert_path="dense")
+    unrolled = forward_options(cfg, run, None, None, Target("cpu"))
+    looped = dataclasses.replace(unrolled, unrolled=False)
+
+    def gradient(options):
+        loss = make_loss(cfg, run, options)
+        return jax.jit(jax.value_and_grad(lambda p: loss(p, batch)[0])).lower(params).compile()
+
+    loops = [len(re.findall(r"\bwhile\(", gradient(o).as_text())) for o in (unrolled, looped)]
+    assert unrolled.unrolled and loops[0] == 0 and loops[1] >= 2  # forward and backward
+    assert_trees_close(gradient(unrolled)(params), gradient(looped)(params), rel=1e-5)
+    longer = dataclasses.replace(cfg, n_layers=UNROLLED_LAYERS + 1)
+    assert not forward_options(longer, run, None, None, Target("cpu")).unrolled
+    assert not forward_options(cfg, run, None, None, Target("gpu", (9, 0))).unrolled
 
 
 def test_the_router_bias_gets_no_gradient():

@@ -28,6 +28,9 @@ def mesh_of(run: RunConfig, devices) -> jax.sharding.Mesh:
     return make_mesh(run.mesh.shape(len(devices)), MESH_AXES, devices)
 
 
+UNROLLED_LAYERS = 8  # the longest layer scan a CPU program unrolls
+
+
 def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRules | None,
                     target: Target) -> ForwardOptions:
     """What the forward depends on for this run and target (model/options.py): by default
@@ -45,8 +48,12 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
     if hasattr(model, "n_experts") and (run.mesh.expert > 1 or run.expert_capacity):
         parallel = ExpertParallel(run.mesh.expert, run.expert_capacity)
     policies = tuple((s, activations.checkpoint_policy(t)) for s, t in (placement or {}).items())
+    # XLA's CPU backend zero-fills and copies a layer loop's stacked residuals each step
+    # (docs/runs.md: what a CPU step costs); unrolled, they stay where each layer wrote them.
+    # Not long scans: the compile grows with every layer.
+    unrolled = target.platform == "cpu" and model.n_layers <= UNROLLED_LAYERS
     return ForwardOptions(run.compute_dtype, policies, rules, attention,
-                          quantization(run, target), experts, parallel)
+                          quantization(run, target), experts, parallel, unrolled)
 
 
 def abstract_state(model, run: RunConfig, rules: AxisRules, optimizer):

@@ -1,7 +1,7 @@
 """The CPU training step: median ms per step and model FLOP/s at nanoGPT's CPU size and at both
 families' proxies, beside this machine's large-matmul rate measured in the same process.
 
-    python -m study cpu-step [steps=N] [rounds=R]
+    python -m study cpu-step [steps=N] [rounds=R] [profile=1]
 
 Each round times the 2048^3 f32 matmul and then every size, so every ratio is one round's; the
 spread over rounds is the machine's noise (shared cores move every figure). nanoGPT's size runs
@@ -21,6 +21,7 @@ from model import families
 from runtime import header
 from runtime import setup as runtime_setup
 from runtime.setup import program_for, start_state
+from study.bench import cpu_profile
 from study.bench.proxy_step import matmul_ceiling
 from trainer import target as trainer_target
 from trainer.program import Program
@@ -33,7 +34,7 @@ NANOGPT = ("shakespeare", ["model.d_model=128", "model.n_layers=4", "model.n_hea
                            "quant=none", "compute_dtype=float32", "data.path=", "eval_every=0"])
 SIZES = {"nanogpt": NANOGPT, "llama proxy": ("llama405b-offload", []),
          "deepseek proxy": ("deepseek671b-offload", [])}
-OPTIONS = {"steps": 30, "rounds": 3}
+OPTIONS = {"steps": 30, "rounds": 3, "profile": 0}  # profile=1: where nanoGPT's size's goes
 
 
 @dataclasses.dataclass
@@ -79,9 +80,10 @@ def options_of(argv: list[str]) -> dict:
     found = dict(OPTIONS)
     for word in argv:
         key, _, value = word.partition("=")
-        if key not in OPTIONS or not value.isdigit() or int(value) < 1:
+        if key not in OPTIONS or not value.isdigit() or int(value) < (key != "profile") or (
+                key == "profile" and int(value) > 1):
             raise ConfigError(f"{word!r}: cpu-step takes steps=N and rounds=N (whole numbers "
-                              ">= 1)")
+                              ">= 1) and profile=0|1")
         found[key] = int(value)
     return found
 
@@ -113,4 +115,17 @@ def main(argv: list[str]) -> int:
                   f"{size.flops / statistics.median(seconds) / 1e9:6.1f} GFLOP/s, "
                   f"{statistics.median(rates):.0%} of the ceiling "
                   f"({min(rates):.0%}-{max(rates):.0%})")
+    if options["profile"]:
+        print("\n".join(profiled(nanogpt, options["steps"])))
     return 0
+
+
+def profiled(size: Size, steps: int) -> list[str]:
+    """Where `size`'s step spends its time: its program compiled again with XLA's trace events."""
+    program = size.program
+    timed_step = program.step
+    program.step = program.compile(program.traced, {"xla_cpu_enable_xprof_traceme": True})
+    try:
+        return cpu_profile.lines(program.step, lambda: size.time(steps, False), steps + 1)
+    finally:
+        program.step = timed_step
