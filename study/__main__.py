@@ -11,8 +11,9 @@
     python -m study step-times [--hlo DIR] [EXPERIMENT ...]   every row replayed vs the study
     python -m study compile-table [EXPERIMENT ...] [key=value ...]   every row's compiled memory
     python -m study bench [EXPERIMENT ...] [key=value ...]   proxy step time on this machine
-    python -m study cpu-step [steps=N] [rounds=N]   the CPU step at nanoGPT's size and the
-                                                        proxies', against a same-run matmul
+    python -m study cpu-step [steps=N] [rounds=N] [profile=1]   the CPU step at nanoGPT's
+                                                        size and the proxies', against a
+                                                        same-run matmul; profile=1: by kind
     python -m study checkpoint-bench [EXPERIMENT ...] [steps=N]   checkpoint save, restore costs
     python -m study gpu-check [--smoke] [out_dir=DIR]   gradients and step times on a real GPU
 

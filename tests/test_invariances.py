@@ -107,8 +107,9 @@ def test_the_scan_is_the_unrolled_loop():
 def test_a_cpu_runs_a_short_layer_scan_unrolled_with_the_loops_gradients(name):
     """XLA's CPU backend zero-fills and copies a layer loop's stacked residuals every step, so a
     CPU program unrolls a scan of up to UNROLLED_LAYERS layers: no loop left in its compiled
-    gradient, and the loop's loss and gradients (to float32 reordering). A longer scan, and
-    every GPU's, keeps the loop."""
+    gradient, and the loop's loss and gradients (to float32 reordering). A longer scan, one
+    of NVFP4 weights, a fit's (its search compares layer counts across the bound) and every
+    GPU's keep the loop."""
     _, cfg = FAMILIES[name]
     params, batch = one_device_params(cfg), tokens(cfg, seq=13, seed=3)
     run = dataclasses.replace(RUN, expert_path="dense")
@@ -125,6 +126,10 @@ def test_a_cpu_runs_a_short_layer_scan_unrolled_with_the_loops_gradients(name):
     longer = dataclasses.replace(cfg, n_layers=UNROLLED_LAYERS + 1)
     assert not forward_options(longer, run, None, None, Target("cpu")).unrolled
     assert not forward_options(cfg, run, None, None, Target("gpu", (9, 0))).unrolled
+    fit = dataclasses.replace(run, scale="fit")
+    assert not forward_options(cfg, fit, None, None, Target("cpu")).unrolled
+    nvfp4 = dataclasses.replace(run, quant="nvfp4")
+    assert not forward_options(cfg, nvfp4, None, None, Target("cpu")).unrolled
 
 
 def test_the_router_bias_gets_no_gradient():

@@ -50,8 +50,11 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
     policies = tuple((s, activations.checkpoint_policy(t)) for s, t in (placement or {}).items())
     # XLA's CPU backend zero-fills and copies a layer loop's stacked residuals each step
     # (docs/runs.md: what a CPU step costs); unrolled, they stay where each layer wrote them.
-    # Not long scans: the compile grows with every layer.
-    unrolled = target.platform == "cpu" and model.n_layers <= UNROLLED_LAYERS
+    # Not long scans, nor NVFP4's emulated weights (the compile grows with every layer, each
+    # layer's quantization compiled again: by more than the steps save), nor a fit (its search
+    # compares programs on both sides of the bound: one form for every layer count).
+    unrolled = (target.platform == "cpu" and run.scale != "fit" and run.quant == "none"
+                and model.n_layers <= UNROLLED_LAYERS)
     return ForwardOptions(run.compute_dtype, policies, rules, attention,
                           quantization(run, target), experts, parallel, unrolled)
 
