@@ -144,6 +144,24 @@ def test_one_trace_counts_the_saving_of_a_tag_in_each_scan_as_its_own_trace_woul
         assert together[scan, tag] == tracer.saved({scan: tag})[scan, tag]
 
 
+@pytest.mark.parametrize("name", ["llama405b-offload", "deepseek671b-offload"])
+def test_the_work_scaled_from_the_rows_micro_batch_is_that_traced_at_another(name):
+    """The search traces the gradient's work (every tag kept, every tag recomputed) at the
+    experiment's micro batch and scales it by the tokens to the others: at full scale it is
+    what a trace at micro batch 1 counts, the all-to-alls' bytes too."""
+    row = configs.get(name)
+    tracer = ps.Tracer(row, gpu_of(row.name))
+    assert row.run.per_device_batch > 1
+    (scaled, scaled_remat), (traced, traced_remat) = (
+        tracer.base_work(1, row.run.mesh.expert, traced) for traced in (False, True))
+    assert scaled.positions == traced.positions
+    for got, want in ((scaled.flops, traced.flops), (scaled.exchanged, traced.exchanged),
+                      (scaled_remat, traced_remat)):
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in want), (got, want)
+    assert traced.exchanged or name.startswith("llama")
+
+
 def test_a_late_tag_waits_for_the_link_unless_pipelined():
     tag = ranking.Tag("late", nbytes=10, position=0.9, saved_flops=0, saved_exchange=0)
     scan = ranking.Scan("s", 1, (ranking.Tag("in", 1, 0, 0, 0), tag), forward_flops=10,

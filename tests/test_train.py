@@ -32,6 +32,9 @@ def proxy_losses(batches, lr: float, cfg=None, options=ForwardOptions()) -> list
     run = configs.RunConfig(optimizer=OptimizerConfig(lr=lr, warmup_steps=0), steps=len(batches))
     optimizer = make_optimizer(run.optimizer, run.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), int)}
+    # On the device itself, as the step returns it: a mesh's shardings in, the device's out
+    # would compile the step a second time.
+    state = jax.device_put(state, jax.devices()[0])
     step = jax.jit(partial(train_step, model=cfg, run=run, options=options))
     losses = []
     for batch in batches:

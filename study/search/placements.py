@@ -8,6 +8,8 @@ Every figure comes from the traced full-scale step (abstract values over an abst
 the plan) and study/hardware/gpus.py. A MoE model's expert-parallel degrees are traced apart,
 each with its own memory, collectives and all-to-alls; the recompute each tag saves is traced at
 the experiment's own degree and used for every degree (per device it barely depends on it). The
+work is traced at the experiment's own micro batch and scaled to the others by their tokens (a
+leader's and a row's, counted exactly, on a trace at its own). The
 fast model (study/search/ranking.py) only ranks; `search.verify=N` compiles the best N and the
 model's registered rows and ranks those by the replay of their compiled programs
 (study/timing/replay.py)."""
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import configs
 from study.plan import memory_plan, printed
+from study.programs import jaxpr
 from study.search import ranking
 from study.plan.traced_step import TracedStep, traced_step
 from study.figures import STUDY_TFLOPS
@@ -110,13 +113,26 @@ class Tracer:
             found |= self.saved({s: names[i] for s, names in tags.items() if i < len(names)})
         return found
 
+    def base_work(self, batch: int, expert: int, traced: bool) -> tuple[jaxpr.Work, dict]:
+        """The gradient's work with every tag kept, and each scan's recompute with every tag
+        recomputed, at `batch`: traced there, or (not `traced`) the experiment's own micro
+        batch's scaled by the tokens, as the savings are: one trace per expert-parallel degree
+        serves every micro batch."""
+        at = batch if traced else self.run.per_device_batch
+        none, remat = self.step(at, expert).work(None), self.recompute(at, self.remat, expert)
+        if at == batch:
+            return none, remat
+        scaled = lambda counts: {k: v * batch / at for k, v in counts.items()}  # noqa: E731
+        return (jaxpr.Work(scaled(none.flops), scaled(none.exchanged), none.positions),
+                {s: tuple(x * batch / at for x in r) for s, r in remat.items()})
+
     def workload(self, batch: int, expert: int = 0, savings: bool = True) -> ranking.Workload:
         """The search's inputs at one micro batch and expert-parallel degree; without `savings`
-        (a candidate counted on its own trace needs none) each tag's saving is zero."""
+        (a candidate counted on its own trace: its work traced at its own micro batch) each
+        tag's saving is zero."""
         expert = expert or self.run.mesh.expert
         step = self.step(batch, expert)
-        none = step.work(None)
-        remat = self.recompute(batch, self.remat, expert)
+        none, remat = self.base_work(batch, expert, traced=not savings)
 
         def tag(s: str, v) -> ranking.Tag:
             if v.tag == activations.LAYER_INPUT:
