@@ -122,9 +122,13 @@ class Tracer:
         none, remat = self.step(at, expert).work(None), self.recompute(at, self.remat, expert)
         if at == batch:
             return none, remat
-        scaled = lambda counts: {k: v * batch / at for k, v in counts.items()}  # noqa: E731
-        return (jaxpr.Work(scaled(none.flops), scaled(none.exchanged), none.positions),
-                {s: tuple(x * batch / at for x in r) for s, r in remat.items()})
+
+        def scaled(count: float) -> float:
+            return count * batch / at
+        flops, exchanged = ({k: scaled(v) for k, v in counts.items()}
+                            for counts in (none.flops, none.exchanged))
+        return (jaxpr.Work(flops, exchanged, none.positions),
+                {s: tuple(map(scaled, r)) for s, r in remat.items()})
 
     def workload(self, batch: int, expert: int = 0, savings: bool = True) -> ranking.Workload:
         """The search's inputs at one micro batch and expert-parallel degree; without `savings`
