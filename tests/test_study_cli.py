@@ -89,6 +89,9 @@ MISTAKES = {
     "cpu-step: a key it does not take": (
         ["cpu-step", "seq=64"],
         "'seq=64': cpu-step takes steps=N and rounds=N (whole numbers >= 1)"),
+    "cpu-step: a profile it has not": (
+        ["cpu-step", "profile=2"],
+        "'profile=2': cpu-step takes steps=N and rounds=N (whole numbers >= 1) and profile=0|1"),
     "checkpoint-bench: a key it does not take": (
         ["checkpoint-bench", "llama405b-offload", "seq=64"],
         "checkpoint-bench: unknown key 'seq'; it takes steps"),
