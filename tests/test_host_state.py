@@ -11,7 +11,7 @@ import configs
 from conftest import start_state
 from study.hardware.gpus import gpu_of
 from study.plan import memory_plan
-from study.search import ranking
+from study.search import candidates, ranking
 from study.search.placements import placement_text
 from model import families
 from model.params import abstract_params, param_count
@@ -84,7 +84,7 @@ def test_the_search_weighs_the_state_placement():
                         4e12, 8e12, 1e12, 0, 0, 100)
     work = ranking.Workload(1, (scan,), 0.0, 1000, 1e13, state_bytes=400)
     hw = ranking.Hardware("test", 1e15, 1e11, 1e2, 8, 10**6, 10**6)
-    found = ranking.search({1: work}, hw, [ranking.Schedule(True)])
+    found = candidates.search({1: work}, hw, [ranking.Schedule(True)])
     by_state = {}
     for p in found:
         by_state.setdefault((p.candidate.placement, p.candidate.optimizer_state), p)

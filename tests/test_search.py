@@ -4,7 +4,11 @@ times only rank candidates; the replay of compiled programs judges them (tests/t
 study/compiling/step_times.py). Every figure comes from the traced full-scale step (abstract
 values: nothing compiled or allocated)."""
 
+import collections
 import dataclasses
+import functools
+import itertools
+import operator
 
 import pytest
 
@@ -13,14 +17,16 @@ from study.search import placements as ps
 from study.__main__ import main as study_main
 from study.hardware.gpus import GPUS, gpu_of
 from study.plan import memory_plan
-from study.search import ranking
+from study.search import candidates, ranking
+from study.search.tracer import Tracer
+from study.plan.traced_step import Pool, TracedStep, freeze
 from runtime import setup as runtime_setup
 
 
 def predicted(name: str, device: str = "gb200") -> ranking.Prediction:
     """A study row as the search predicts it on 128 GPUs of `device`, counted on its trace."""
     row = configs.get(name)
-    tracer = ps.Tracer(row, gpu_of(row.name))
+    tracer = Tracer(row, gpu_of(row.name))
     hw = ps.hardware(GPUS[device], 128)
     return ps.exact(tracer, ps.row_candidate(tracer, row), hw)
 
@@ -118,14 +124,15 @@ def test_the_search_tries_expert_parallel_degrees_and_its_overrides_rebuild_the_
 
 def test_search_finds_at_least_the_study_and_its_overrides_rebuild_the_table():
     row = configs.get("llama405b-offload")
-    result = ps.run_search(row, gpu_of(row.name), {**ps.OPTIONS, "batches": "2", "exact": "1"},
+    result = ps.run_search(row, gpu_of(row.name), {**ps.OPTIONS, "batches": "2", "exact": "1",
+                                                   "workers": "0"},
                            lambda: 0.0)
     best = result.ranked[0]
     assert best.fits and best.exact
     assert best.tflops >= max(p.tflops for p in result.rows  # rows searched alike: mb 2
                               if p.fits and p.candidate.batch == 2)
     # The leader's recompute summed per tag equals its own trace's count.
-    estimate = ranking.predict(best.candidate, ps.Tracer(row, gpu_of(row.name)).workload(2),
+    estimate = ranking.predict(best.candidate, Tracer(row, gpu_of(row.name)).workload(2),
                                result.hw)
     assert estimate.step_s == pytest.approx(best.step_s, rel=1e-9)
     setup = runtime_setup.resolve(row.name, ps.run_overrides(best, row.model), full=True)
@@ -136,7 +143,7 @@ def test_one_trace_counts_the_saving_of_a_tag_in_each_scan_as_its_own_trace_woul
     """The search keeps one tag of every scan in one trace: each scan's backward recomputes only
     its own layers, so each tag saves what it saves traced alone."""
     row = configs.get("deepseek671b-offload")
-    tracer = ps.Tracer(row, gpu_of(row.name))
+    tracer = Tracer(row, gpu_of(row.name))
     kept = {"dense_layers": "mlpwi_0", "moe_layers": "moe_mlpwi_0"}
     together = tracer.saved(kept)
     assert all(flops > 0 for flops, _ in together.values())
@@ -147,19 +154,54 @@ def test_one_trace_counts_the_saving_of_a_tag_in_each_scan_as_its_own_trace_woul
 @pytest.mark.parametrize("name", ["llama405b-offload", "deepseek671b-offload"])
 def test_the_work_scaled_from_the_rows_micro_batch_is_that_traced_at_another(name):
     """The search traces the gradient's work (every tag kept, every tag recomputed) at the
-    experiment's micro batch and scales it by the tokens to the others: at full scale it is
-    what a trace at micro batch 1 counts, the all-to-alls' bytes too."""
+    experiment's micro batch and expert-parallel degree and scales it by the tokens to the
+    others: at full scale it is what a trace at micro batch 1 counts, the all-to-alls' bytes
+    too, and for DeepSeek at expert-parallel degree 2 (the row's is 8): the workload, memory
+    included, is the one traced there but for the tags' savings (traced at the row's alone)."""
     row = configs.get(name)
-    tracer = ps.Tracer(row, gpu_of(row.name))
-    assert row.run.per_device_batch > 1
+    tracer = Tracer(row, gpu_of(row.name))
+    expert = 2 if tracer.moe else 1
+    assert row.run.per_device_batch > 1 and row.run.mesh.expert in (1, 8)
     (scaled, scaled_remat), (traced, traced_remat) = (
-        tracer.base_work(1, row.run.mesh.expert, traced) for traced in (False, True))
+        tracer.base_work(1, expert, traced) for traced in (False, True))
     assert scaled.positions == traced.positions
     for got, want in ((scaled.flops, traced.flops), (scaled.exchanged, traced.exchanged),
                       (scaled_remat, traced_remat)):
         assert got.keys() == want.keys()
         assert all(got[k] == pytest.approx(want[k], rel=1e-12) for k in want), (got, want)
     assert traced.exchanged or name.startswith("llama")
+    if tracer.moe:
+        tracer.savings = collections.defaultdict(lambda: (0.0, 0.0))  # none, both ways
+        got, want = (_leaves(tracer.workload(1, expert, savings)) for savings in (True, False))
+        assert [x for x in got if isinstance(x, str)] == [x for x in want if isinstance(x, str)]
+        assert [x for x in got if not isinstance(x, str)] == pytest.approx(
+            [x for x in want if not isinstance(x, str)], rel=1e-12)
+        assert tracer.workload(1, expert).mesh == tracer.mesh(expert)
+
+
+def _leaves(value) -> list:
+    """A dataclass's (or tuple's) fields, nested ones flattened: numbers and names."""
+    if dataclasses.is_dataclass(value) or isinstance(value, tuple):
+        items = dataclasses.astuple(value) if dataclasses.is_dataclass(value) else value
+        return [leaf for item in items for leaf in _leaves(item)]
+    return [value]
+
+
+def test_views_traced_in_a_worker_process_are_those_traced_here():
+    """A Pool's worker (a spawned process, its own trace cache) traces what this one does."""
+    row = configs.get("llama405b-offload")
+    tracer = Tracer(row, gpu_of(row.name))
+    candidate = ps.row_candidate(tracer, row)
+    views = tracer.exact_views(candidate)[:4]  # what the backward reads, sites, plan, work
+    assert [name for _, name, _ in views] == ["needed", "sites", "residuals", "work"]
+    with Pool(1) as pool:
+        pool.executor.submit(int).result()  # started: the first view is the worker's
+        pool.trace(views)
+    for step, name, placements in views:
+        alone = TracedStep(step.model, step.run, step.mesh_shape)  # no cache shared
+        value = getattr(alone, name)
+        assert step._traced[name, *map(freeze, placements)] == (
+            value(*placements) if placements else value), name
 
 
 def test_a_late_tag_waits_for_the_link_unless_pipelined():
@@ -216,17 +258,22 @@ CASE_LEADERS = [
      "wo": D}, "LHS", 20.865)]
 
 
-def test_the_search_ranks_a_known_case_as_it_always_has():
-    """Two scans (a dense and an expert one, all-to-alls over 2 devices), micro batches 1 and
-    2, both LHS schedules, device memory scarce: the candidates, how many fit, and the five
-    leaders in their order with their step times, fixed (a faster search must rank alike)."""
+def _known_case() -> tuple[candidates.Ranked, ranking.Hardware]:
     works = {b: ranking.Workload(b, (_case_scan("dense", 2, CASE_DENSE, b),
                                      _case_scan("moe", 6, CASE_MOE, b)), other_flops=20.0 * b,
                                  fixed_bytes=100, model_flops=1e15 * b, state_bytes=60)
              for b in (1, 2)}
     hw = ranking.Hardware("x", rate=100.0, nvlink=20.0, host_link=5.0, devices=4,
                           capacity=250, host_capacity=120)
-    ranked = ranking.search(works, hw, [ranking.Schedule(True), ranking.Schedule(True, True)])
+    schedules = [ranking.Schedule(True), ranking.Schedule(True, True)]
+    return candidates.search(works, hw, schedules), hw
+
+
+def test_the_search_ranks_a_known_case_as_it_always_has():
+    """Two scans (a dense and an expert one, all-to-alls over 2 devices), micro batches 1 and
+    2, both LHS schedules, device memory scarce: the candidates, how many fit, and the five
+    leaders in their order with their step times, fixed (a faster search must rank alike)."""
+    ranked, hw = _known_case()
     assert (len(ranked), sum(p.fits for p in ranked)) == (2100, 1344)
     leaders = [(p.candidate.batch, p.candidate.table("dense"), p.candidate.table("moe"),
                 str(p.candidate.schedule), p.candidate.optimizer_state, p.fits)
@@ -235,3 +282,42 @@ def test_the_search_ranks_a_known_case_as_it_always_has():
                        for b, dense, moe, sched, _ in CASE_LEADERS]
     assert [p.step_s for p in ranked[:5]] == pytest.approx([s for *_, s in CASE_LEADERS],
                                                            rel=1e-12)
+
+
+def _ranked_as_python_would(predictions: list) -> list:
+    """The ranking's rule as one sort of Prediction objects (stable: equals keep their order)."""
+    return sorted(predictions, key=lambda p: (not p.fits, -round(p.tflops, 1), p.device_bytes,
+                                              p.host_bytes))
+
+
+def test_the_candidates_ranked_as_arrays_are_those_made_one_by_one_ranked_by_one_sort():
+    """The known case's every candidate made one at a time (the fronts' product, as the search
+    once built them) and sorted in Python: the same candidates, figures and order as the arrays'
+    ranking; after replacing three leaders, the same as re-sorting the list; the same Pareto."""
+    ranked, hw = _known_case()
+    found = []
+    for block in ranked.blocks:
+        for combo in itertools.product(*block.fronts):
+            terms = functools.reduce(operator.add, (t for _, t in combo))
+            placement = tuple(sorted(frozen for frozen, _ in combo))
+            found += [ranking.finish(ranking.Candidate(block.work.batch, placement, block.sched,
+                                                       "", state), block.work, hw, terms, False)
+                      for state in ranking.STATES]
+    expected = _ranked_as_python_would(found)
+    assert list(ranked) == expected
+    by_rank = ranked.order
+    assert ranked.device[by_rank].tolist() == [p.device_bytes for p in expected]
+    assert ranked.tflops[by_rank].tolist() == [p.tflops for p in expected]
+    assert ranked.fits[by_rank].tolist() == [p.fits for p in expected]
+
+    better = {0: 0.5, 3: 2.0, 700: 40.0}  # step time scaled: a leader falls, others rise
+    changed = {i: dataclasses.replace(expected[i], step_s=expected[i].step_s * f,
+                                      tflops=expected[i].tflops / f, exact=True)
+               for i, f in better.items()}
+    ranked.replace(changed)
+    assert list(ranked) == _ranked_as_python_would([changed.get(i, p)
+                                                    for i, p in enumerate(expected)])
+
+    fits = sorted((p for p in list(ranked) if p.fits), key=lambda p: (p.device_bytes, -p.tflops))
+    front = [p for i, p in enumerate(fits) if all(p.tflops > q.tflops for q in fits[:i])]
+    assert ranked.pareto([]) == front and len(front) > 2

@@ -13,7 +13,7 @@ from study.plan import memory_plan
 from study.plan import traced_step as traced_step_module
 from study.plan.traced_step import TracedStep
 from study.programs import jaxpr
-from study.search import placements
+from study.search.tracer import Tracer
 from study.__main__ import main as study_main
 from study.hardware.compile_only import pool_bytes
 from study.hardware.gpus import EXPERIMENT_GPUS, GPUS, gpu_of
@@ -181,7 +181,7 @@ def test_rows_that_differ_in_placement_and_flags_share_one_traced_step(monkeypat
     monkeypatch.setattr(jaxpr, "work", lambda *a, **k: traced.append(a) or work(*a, **k))
     steps = []
     for name in ("llama405b-offload", "llama405b-offload-nolhs"):
-        tracer = placements.Tracer(configs.get(name), gpu_of(name))
+        tracer = Tracer(configs.get(name), gpu_of(name))
         steps.append(tracer.step(1))
         tracer.recompute(1, tracer.remat)  # the gradient with no table and with all recomputed
     assert steps[0] is steps[1] and len(built) == 1 and len(traced) == 2

@@ -118,6 +118,9 @@ MISTAKES = {
     "search: a plot value outside its choice": (
         ["search", "llama405b-offload", "search.plot=no", OUT],
         "search.plot='no': choose one of auto, off"),
+    "search: workers neither auto nor a count": (
+        ["search", "llama405b-offload", "search.workers=all", OUT],
+        "search.workers='all': expected auto or a whole number"),
     "compile: a boolean XLA flag's value": (
         ["compile", "llama405b-offload", f"xla_flags.{LHS}=on", OUT],
         f"xla_flags.{LHS}='on': expected true or false"),

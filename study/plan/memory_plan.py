@@ -127,8 +127,10 @@ def full_scale(experiment: Experiment, gpu: Gpu, placement: dict | None,
 
 
 def plan(step: TracedStep, placement: dict | None, tags: list[TagLine], capacity: int,
-         host_capacity: int) -> MemoryPlan:
-    """The static memory plan of `step` under `placement`, per device."""
+         host_capacity: int, activations: TracedStep | None = None) -> MemoryPlan:
+    """The static memory plan of `step` under `placement`, per device; what autodiff keeps
+    traced on `activations` if given (the search's: the same per device at another
+    expert-parallel degree, study/search/tracer.py)."""
     # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
     shapes = {spec.shape for spec in jax.tree.leaves(step.specs) if not step.split_by_expert(spec)}
     return MemoryPlan(
@@ -136,7 +138,8 @@ def plan(step: TracedStep, placement: dict | None, tags: list[TagLine], capacity
         grads=per_device_bytes(step.state["params"]),
         optimizer=per_device_bytes(step.state["opt_state"]),
         tags=tags,
-        residuals=per_device_residuals(step.residuals(placement), shapes, step.shards),
+        residuals=per_device_residuals((activations or step).residuals(placement), shapes,
+                                       step.shards),
         layers=tuple(step.layers.values()),
         # The layer casts its weights to the compute dtype, so their gradients arrive (and are
         # reduce-scattered) in it; only a device's shard becomes param_dtype.

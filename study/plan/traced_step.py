@@ -7,10 +7,15 @@ as a GPU computes them (target "any": grouped GEMMs, or one per local expert if 
 
 The study's one trace cache is here: `traced_step()` keeps one TracedStep per model, run and mesh,
 and each keeps its views per placement; every tool gets its steps from it (tests/test_study.py).
+A `Pool` traces many views at once, in processes beside this one, into the same cache.
 """
 
 import dataclasses
 import functools
+import gc
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 import math
 
@@ -35,12 +40,16 @@ def freeze(placement: dict | None):
         (s, tuple(sorted(t.items()))) for s, t in sorted(placement.items()))
 
 
+def _key(name: str, placements: tuple) -> tuple:
+    return (name, *map(freeze, placements))
+
+
 def _traced_once(view):
     """A view of the step under a placement, traced on first use and kept (on the step: the
     cache of traced_step() below holds the steps)."""
     @functools.wraps(view)
     def kept(self, *placement: dict | None):
-        key = (view.__name__, *map(freeze, placement))
+        key = _key(view.__name__, placement)
         if key not in self._traced:
             self._traced[key] = view(self, *placement)
         return self._traced[key]
@@ -51,6 +60,7 @@ class TracedStep:
     def __init__(self, model, run: RunConfig, mesh_shape: tuple[int, int, int]):
         self.model, self.run, self.family = model, run, families.of(model)
         self.scans = list(self.family.SCANS)
+        self.mesh_shape = tuple(mesh_shape)
         self.devices, self.fsdp, self.expert = math.prod(mesh_shape), *mesh_shape[1:]
         self.shards = self.fsdp * self.expert  # the devices a weight is sharded over
         mesh = AbstractMesh(mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
@@ -171,3 +181,58 @@ def traced_step(model, run: RunConfig, mesh_shape: tuple[int, int, int]) -> Trac
     if key not in _STEPS:
         _STEPS[key] = TracedStep(model, run, mesh_shape)
     return _STEPS[key]
+
+
+# (step, view name, placements): one traced view, e.g. (step, "work", (None,)); a property's
+# ("sites", "needed") has no placements.
+View = tuple[TracedStep, str, tuple]
+
+
+def _view(step: TracedStep, name: str, placements: tuple):
+    value = getattr(step, name)
+    return value(*placements) if placements else value
+
+
+def _view_alone(model, run: RunConfig, mesh_shape: tuple, name: str, placements: tuple):
+    """A pool worker's view, of its own traced_step(): what comes back is plain data."""
+    return _view(traced_step(model, run, mesh_shape), name, placements)
+
+
+class Pool:
+    """Traces many views at once: each traces alone, and tracing is Python, one core a process.
+    `workers` processes beside this one (0: this one only) take views from the front of a list,
+    this one from the back, until they meet; every view lands in its step's cache here."""
+
+    def __init__(self, workers: int):
+        # spawn, not fork: this process's JAX has threads. The workers' collector is off as
+        # this one's is during a search (study/search/placements.py).
+        context = multiprocessing.get_context("spawn")
+        self.executor = (ProcessPoolExecutor(workers, context, initializer=gc.disable)
+                         if workers else None)
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc):
+        if self.executor:
+            self.executor.shutdown(cancel_futures=True)
+
+    def trace(self, views: list[View]):
+        todo = {}
+        for step, name, placements in views:
+            if _key(name, placements) not in step._traced:
+                todo.setdefault((id(step), _key(name, placements)), (step, name, placements))
+        todo = list(todo.values())
+        futures = [self.executor.submit(_view_alone, step.model, step.run, step.mesh_shape, name,
+                                        placements) if self.executor else None
+                   for step, name, placements in todo]
+        for (step, name, placements), future in reversed(list(zip(todo, futures))):
+            here = future is None or future.cancel()  # not yet taken by a worker
+            step._traced[_key(name, placements)] = (_view(step, name, placements) if here
+                                                    else future.result())
+
+
+def workers_available() -> int:
+    """The processes a Pool may add: one per CPU this process may use, but its own."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, (cpus or 1) - 1)

@@ -1,29 +1,25 @@
-"""The placement search's inputs, traced from an experiment, and its report.
+"""The placement search, as run, and its report.
 
     python -m study search EXPERIMENT [device=gb200|b200|h200|h100] [key=value ...]
         [search.batches=1,2,4,8] [search.experts=1,2,4,8] [search.top=10] [search.exact=5]
-        [search.verify=0] [search.plot=auto|off]
+        [search.verify=0] [search.plot=auto|off] [search.workers=auto|N]
 
-Every figure comes from the traced full-scale step (abstract values over an abstract mesh, as
-the plan) and study/hardware/gpus.py. A MoE model's expert-parallel degrees are traced apart,
-each with its own memory, collectives and all-to-alls; the recompute each tag saves is traced at
-the experiment's own degree and used for every degree (per device it barely depends on it). The
-work is traced at the experiment's own micro batch and scaled to the others by their tokens (a
-leader's and a row's, counted exactly, on a trace at its own). The
-fast model (study/search/ranking.py) only ranks; `search.verify=N` compiles the best N and the
-model's registered rows and ranks those by the replay of their compiled programs
-(study/timing/replay.py)."""
+Every figure comes from the traced full-scale step (study/search/tracer.py) and
+study/hardware/gpus.py, traced in `search.workers` processes beside this one (auto: one per
+further CPU). The fast model (study/search/ranking.py) only ranks; `search.verify=N` compiles
+the best N and the model's registered rows and ranks those by the replay of their compiled
+programs (study/timing/replay.py)."""
 
+import contextlib
 import dataclasses
-import functools
 import gc
 from pathlib import Path
 
 import configs
-from study.plan import memory_plan, printed
-from study.programs import jaxpr
-from study.search import ranking
-from study.plan.traced_step import TracedStep, traced_step
+from study.plan import printed
+from study.plan.traced_step import Pool, workers_available
+from study.search import candidates, ranking
+from study.search.tracer import Tracer
 from study.figures import STUDY_TFLOPS
 from configs import LHS, PIPELINED, ConfigError, Experiment
 from study.hardware.gpus import GPUS, Gpu
@@ -34,7 +30,8 @@ from runtime.own_program import GiB, CompiledMemory
 from runtime.setup import resolve_placement
 from study.hardware.compile_only import pool_bytes
 
-OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto"}
+OPTIONS = {"batches": "", "experts": "", "top": "10", "exact": "5", "verify": "0", "plot": "auto",
+           "workers": "auto"}
 PLOTS = ("auto", "off")  # the picture beside the report, or none
 
 
@@ -55,128 +52,9 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
             raise ConfigError(f"search.{key}={options[key]!r}: expected a whole number")
     if options["plot"] not in PLOTS:
         raise ConfigError(f"search.plot={options['plot']!r}: choose one of {', '.join(PLOTS)}")
+    if options["workers"] != "auto" and not options["workers"].isdigit():
+        raise ConfigError(f"search.workers={options['workers']!r}: expected auto or a whole number")
     return rest, options
-
-
-class Tracer:
-    """An experiment traced per micro batch and expert-parallel degree, and the search's inputs.
-    Its steps are traced_step()'s, shared by every row of the same model, sequence and mesh."""
-
-    def __init__(self, experiment: Experiment, gpu: Gpu):
-        self.model, self.run, self.gpu = experiment.model, experiment.run, gpu
-        self.scans = list(families.of(self.model).SCANS)
-        self.remat = {s: {} for s in self.scans}
-        self.moe = isinstance(self.model, DeepSeekConfig)
-
-    def mesh(self, expert: int) -> tuple[int, int, int]:
-        """The experiment's mesh with `expert` devices on the expert axis, fsdp the rest."""
-        mesh = dataclasses.replace(self.run.mesh, fsdp=-1, expert=expert)
-        return mesh.shape(self.run.mesh.devices)
-
-    def step(self, batch: int, expert: int = 0) -> TracedStep:
-        """The step at `batch` and `expert`, its placement, preset and XLA flags cleared: a
-        candidate sets its own, and what is traced does not read them."""
-        expert = expert or self.run.mesh.expert
-        data, fsdp, _ = self.mesh(expert)
-        mesh = dataclasses.replace(self.run.mesh, fsdp=fsdp, expert=expert)
-        run = dataclasses.replace(self.run, preset="", tag_changes={}, xla_flags={},
-                                  per_device_batch=batch, global_batch=0, mesh=mesh)
-        return traced_step(self.model, run, (data, fsdp, expert))
-
-    def recompute(self, batch: int, placement: dict, expert: int = 0) -> dict:
-        """scan -> (FLOPs, all-to-all bytes) one layer's backward repeats under `placement`."""
-        step = self.step(batch, expert)
-        base, own = step.work(None), step.work(placement)
-        return {s: tuple((getattr(own, f).get((s, "backward"), 0.0)
-                          - getattr(base, f).get((s, "backward"), 0.0)) / step.layers[s]
-                         for f in ("flops", "exchanged")) for s in self.scans}
-
-    def saved(self, kept: dict[str, str]) -> dict[tuple[str, str], tuple[float, float]]:
-        """(scan, tag) -> recompute FLOPs and all-to-all bytes per layer that keeping the tag
-        (`kept`: scan -> tag) alone saves, at the experiment's micro batch, per sequence (both
-        scale with the tokens). A scan's backward recomputes only its own layers, so one trace
-        counts one tag of every scan."""
-        batch = self.run.per_device_batch
-        remat = self.recompute(batch, self.remat)
-        alone = self.recompute(batch, {**self.remat, **{s: {t: "device"} for s, t in kept.items()}})
-        return {(s, t): tuple((r - a) / batch for r, a in zip(remat[s], alone[s]))
-                for s, t in kept.items()}
-
-    @functools.cached_property
-    def savings(self) -> dict[tuple[str, str], tuple[float, float]]:
-        """`saved` for every tag but the layer inputs: as many traces as the scan with the most
-        tags has."""
-        tags = {s: [t for t in tags if t != activations.LAYER_INPUT]
-                for s, tags in families.of(self.model).SCANS.items()}
-        found = {}
-        for i in range(max(map(len, tags.values()))):
-            found |= self.saved({s: names[i] for s, names in tags.items() if i < len(names)})
-        return found
-
-    def base_work(self, batch: int, expert: int, traced: bool) -> tuple[jaxpr.Work, dict]:
-        """The gradient's work with every tag kept, and each scan's recompute with every tag
-        recomputed, at `batch`: traced there, or (not `traced`) the experiment's own micro
-        batch's scaled by the tokens, as the savings are: one trace per expert-parallel degree
-        serves every micro batch."""
-        at = batch if traced else self.run.per_device_batch
-        none, remat = self.step(at, expert).work(None), self.recompute(at, self.remat, expert)
-        if at == batch:
-            return none, remat
-
-        def scaled(count: float) -> float:
-            return count * batch / at
-        flops, exchanged = ({k: scaled(v) for k, v in counts.items()}
-                            for counts in (none.flops, none.exchanged))
-        return (jaxpr.Work(flops, exchanged, none.positions),
-                {s: tuple(map(scaled, r)) for s, r in remat.items()})
-
-    def workload(self, batch: int, expert: int = 0, savings: bool = True) -> ranking.Workload:
-        """The search's inputs at one micro batch and expert-parallel degree; without `savings`
-        (a candidate counted on its own trace: its work traced at its own micro batch) each
-        tag's saving is zero."""
-        expert = expert or self.run.mesh.expert
-        step = self.step(batch, expert)
-        none, remat = self.base_work(batch, expert, traced=not savings)
-
-        def tag(s: str, v) -> ranking.Tag:
-            if v.tag == activations.LAYER_INPUT:
-                return ranking.Tag(v.tag, v.nbytes, 0, 0, 0)
-            saved = self.savings[s, v.tag] if savings else (0, 0)
-            return ranking.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
-                               *(batch * x for x in saved))
-
-        needed = self.needed(expert)
-        scans = []
-        for s in self.scans:
-            n = step.layers[s]
-            sites = sorted((v for v in step.sites if v.scan == s and (s, v.tag) in needed),
-                           key=lambda v: v.tag != activations.LAYER_INPUT)
-            forward, backward = (none.flops.get((s, p), 0.0) / n for p in ("forward", "backward"))
-            scans.append(ranking.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
-                                      remat[s][0], none.exchanged.get((s, "forward"), 0.0) / n,
-                                      remat[s][1], step.gathered_layer_bytes(s), expert))
-        fixed, state = self.remat_plan(batch, expert)
-        # The layer inputs (each scan's first tag) are the candidate's to place.
-        fixed -= sum(scan.layers * scan.tags[0].nbytes for scan in scans)
-        other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
-        flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
-        return ranking.Workload(batch, tuple(scans), other, fixed, flops, state,
-                                self.mesh(expert) if self.moe else None)
-
-    def needed(self, expert: int) -> set[tuple[str, str]]:
-        """(scan, tag) the backward pass reads: the program's structure, not its sizes, so one
-        gradient traced per expert-parallel degree (at the experiment's micro batch) serves
-        every micro batch."""
-        return self.step(self.run.per_device_batch, expert).needed
-
-    def remat_plan(self, batch: int, expert: int) -> tuple[int, int]:
-        """Peak device bytes with every tag recomputed, without the optimizer state, and the
-        optimizer state's bytes: the static plan's arithmetic."""
-        step = self.step(batch, expert)
-        lines = [memory_plan.TagLine(v, "remat", True, False) for v in step.sites]
-        gpu = self.gpu
-        planned = memory_plan.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory)
-        return planned.peak_estimate - planned.device_optimizer, planned.optimizer
 
 
 def row_candidate(tracer: Tracer, row: Experiment) -> ranking.Candidate:
@@ -195,10 +73,10 @@ def hardware(gpu: Gpu, devices: int) -> ranking.Hardware:
 
 
 def exact(tracer: Tracer, candidate: ranking.Candidate, hw: ranking.Hardware):
-    placement = {s: candidate.table(s) for s in tracer.scans}
     expert = candidate.mesh[2] if candidate.mesh else 0
     return ranking.predict(candidate, tracer.workload(candidate.batch, expert, savings=False),
-                           hw, tracer.recompute(candidate.batch, placement, expert))
+                           hw, tracer.recompute(candidate.batch, tracer.placement(candidate),
+                                                expert))
 
 
 @dataclasses.dataclass
@@ -206,7 +84,7 @@ class Result:
     experiment: Experiment
     hw: ranking.Hardware
     batches: list[int]
-    ranked: list[ranking.Prediction]  # every candidate searched, best first
+    ranked: candidates.Ranked  # every candidate searched, best first
     rows: list[ranking.Prediction]  # the study's rows, exact
     seconds: float
 
@@ -246,12 +124,13 @@ def experts_of(experiment: Experiment, gpu: Gpu, text: str) -> list[int]:
     return found
 
 
-def search_without_gc(works: dict, hw: ranking.Hardware) -> list[ranking.Prediction]:
-    """`ranking.search` over both LHS schedules, Python's cyclic collector paused: its hundreds
-    of thousands of candidates hold no cycles, and every collection would walk them all."""
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic collector off: tracing makes millions of objects, few in cycles, and each
+    full collection would walk every trace kept so far."""
     gc.disable()
     try:
-        return ranking.search(works, hw, [ranking.Schedule(True), ranking.Schedule(True, True)])
+        yield
     finally:
         gc.enable()
 
@@ -268,13 +147,19 @@ def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result
             if (e.model, e.run.seq, e.run.mesh) == (experiment.model, run.seq, run.mesh)]
     batches = batches_of(experiment, options["batches"])
     degrees = experts_of(experiment, gpu, options["experts"])
-    works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
-    ranked = search_without_gc(works, hw)
-    # Count the leaders' recompute on their own traces until the leaders are all counted so.
-    while (todo := [p for p in ranked[:int(options["exact"])] if p.fits and not p.exact]):
-        ranked = ranking.rank([exact(tracer, p.candidate, hw) if p in todo else p for p in ranked])
-    return Result(experiment, hw, batches, ranked, [exact(tracer, c, hw) for c in rows],
-                  clock() - started)
+    workers = workers_available() if options["workers"] == "auto" else int(options["workers"])
+    with collector_paused(), Pool(workers) as pool:
+        pool.trace(tracer.views(batches, degrees, rows))
+        works = {(b, e): tracer.workload(b, e) for b in batches for e in degrees}
+        ranked = candidates.search(works, hw, [ranking.Schedule(True),
+                                               ranking.Schedule(True, True)])
+        # Count the leaders' recompute on their own traces until the leaders are all so counted.
+        while (todo := [i for i, p in enumerate(ranked[:int(options["exact"])])
+                        if p.fits and not p.exact]):
+            pool.trace([v for i in todo for v in tracer.exact_views(ranked[i].candidate)])
+            ranked.replace({i: exact(tracer, ranked[i].candidate, hw) for i in todo})
+        counted = [exact(tracer, c, hw) for c in rows]
+    return Result(experiment, hw, batches, ranked, counted, clock() - started)
 
 
 def placement_text(candidate: ranking.Candidate, scans) -> str:
@@ -309,7 +194,7 @@ def report_lines(result: Result, top: int) -> list[str]:
     lines = [
         f"placement search: {e.name} on {hw.devices} x {hw.name}, micro batches "
         f"{','.join(map(str, result.batches))}; {len(result.ranked)} candidates, "
-        f"{sum(p.fits for p in result.ranked)} fit {hw.capacity / GiB:.1f} GiB "
+        f"{result.ranked.fits.sum()} fit {hw.capacity / GiB:.1f} GiB "
         f"(JAX's pool) and {hw.host_capacity / GiB:.0f} GiB host; {result.seconds:.1f} s",
         f"fast time model (ranking only; search.verify=N replays the compiled programs): dot "
         f"FLOPs at {hw.rate / 1e12:,.0f} TFLOP/s (the {hw.name}'s bf16 rate, "
@@ -325,7 +210,7 @@ def report_lines(result: Result, top: int) -> list[str]:
     lines += ["the study's rows (and registered rows of this model), counted on their traces:"]
     lines += [_line(p, "row", scans) for p in result.rows]
     lines += ["Pareto front (least device memory for the throughput):"]
-    lines += [_line(p, "pareto", scans) for p in ranking.pareto(result.ranked + result.rows)]
+    lines += [_line(p, "pareto", scans) for p in result.ranked.pareto(result.rows)]
     return lines + best_lines(result, scans)
 
 
@@ -383,12 +268,13 @@ def write_plot(result: Result, out_dir: str) -> str:
         return "picture: none (matplotlib is not installed: pip install -e '.[plot]')"
     path = Path(out_dir) / f"search-{result.experiment.name}-{result.hw.name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fits = [p for p in result.ranked if p.fits]
+    ranked = result.ranked
+    fits = ranked.fitting()
     figure, axes = plt.subplots(figsize=(8, 5))
-    dots = axes.scatter([p.device_bytes / GiB for p in fits], [p.tflops for p in fits], s=6,
-                        c=[p.host_bytes / GiB for p in fits], cmap="viridis", alpha=0.5)
+    dots = axes.scatter(ranked.device[fits] / GiB, ranked.tflops[fits], s=6,
+                        c=ranked.host[fits] / GiB, cmap="viridis", alpha=0.5)
     figure.colorbar(dots, label="host GiB per device")
-    front = ranking.pareto(result.ranked + result.rows)
+    front = result.ranked.pareto(result.rows)
     axes.plot([p.device_bytes / GiB for p in front], [p.tflops for p in front], "k-",
               label="Pareto front")
     for p in result.rows:

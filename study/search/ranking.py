@@ -17,7 +17,6 @@ all-to-alls feed the GEMMs after them: always exposed."""
 import dataclasses
 import functools
 import itertools
-import operator
 
 import numpy as np
 
@@ -139,9 +138,9 @@ class Terms:
     link_s: float = 0.0  # exposed NVLink collectives
 
     def __add__(self, other: "Terms") -> "Terms":
-        # Spelled out: the search adds these for every candidate (a fields() loop tripled it).
+        # Numbers, or arrays of them (study/search/candidates.py adds whole fronts at once).
         return Terms(self.device + other.device, self.host + other.host,
-                     max(self.prefetch, other.prefetch), self.compute_s + other.compute_s,
+                     np.maximum(self.prefetch, other.prefetch), self.compute_s + other.compute_s,
                      self.recompute_s + other.recompute_s, self.host_s + other.host_s,
                      self.link_s + other.link_s)
 
@@ -220,22 +219,31 @@ def predict(candidate: Candidate, work: Workload, hw: Hardware, recompute=None) 
         placed = candidate.table(scan.name)
         own = recompute[scan.name] if recompute else estimated_recompute(scan, placed)
         terms = terms + scan_terms(scan, placed, candidate.schedule, hw, own)
-    return _finish(candidate, work, hw, terms, recompute is not None)
+    return finish(candidate, work, hw, terms, recompute is not None)
 
 
-def _finish(candidate, work: Workload, hw: Hardware, terms: Terms, exact: bool) -> Prediction:
+def finish(candidate: Candidate, work: Workload, hw: Hardware, terms: Terms,
+           exact: bool) -> Prediction:
+    terms, device, host, step, tflops, fits = figures(terms, work, hw,
+                                                       candidate.optimizer_state == "host")
+    return Prediction(candidate, terms, device, host, step, tflops, fits, exact)
+
+
+def figures(terms: Terms, work: Workload, hw: Hardware, state_on_host: bool) -> tuple:
+    """(terms, device bytes, host bytes, step seconds, TFLOP/s/device, fits) of a candidate's
+    summed `terms`: numbers, or arrays of them (one candidate each), by the same arithmetic."""
     device = work.fixed_bytes + terms.device + terms.prefetch
     host = terms.host
-    if candidate.optimizer_state == "host":
+    if state_on_host:
         # After the backward pass (its activations read and freed), each layer's moments come
         # from host and go back, both directions at once, with little compute to hide behind.
-        host = work.state_bytes + max(terms.host, work.state_bytes)
+        host = work.state_bytes + np.maximum(terms.host, work.state_bytes)
         terms = dataclasses.replace(terms, host_s=terms.host_s + work.state_bytes / hw.host_link)
     else:
-        device += work.state_bytes
+        device = device + work.state_bytes
     step = terms.compute_s + work.other_flops / hw.rate + terms.host_s + terms.link_s
-    return Prediction(candidate, terms, device, host, step, work.model_flops / step / 1e12,
-                      device <= hw.capacity and host <= hw.host_capacity, exact)
+    fits = (device <= hw.capacity) & (host <= hw.host_capacity)
+    return terms, device, host, step, work.model_flops / step / 1e12, fits
 
 
 def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
@@ -254,7 +262,7 @@ def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:
     return [{first.name: p, **t} for p in ("device", "offload") for t in options]
 
 
-def _front(options: list) -> list:
+def front(options: list) -> list:
     """The (table, Terms) pairs no other beats or equals in every additive term, ties kept once."""
     keys = np.array([(a.device, a.host, a.prefetch, a.compute_s + a.host_s + a.link_s)
                      for _, a in options])
@@ -265,43 +273,6 @@ def _front(options: list) -> list:
         beaten = ((keys[None] <= chunk).all(-1) & (keys[None] < chunk).any(-1)).any(-1)
         kept += [options[first[start + i]] for i in np.flatnonzero(~beaten)]
     return kept
-
-
-def search(works: dict, hw: Hardware, schedules: list[Schedule]) -> list[Prediction]:
-    """Every candidate over `works` (per micro batch and mesh) and `schedules`, ranked; recompute
-    summed per tag, each scan's dominated placements pruned first (Terms add up over scans)."""
-    found = []
-    for work in works.values():
-        exhaustive = max(2 * 3 ** (len(s.tags) - 1) for s in work.scans) <= EXHAUSTIVE
-        per_scan = {s.name: scan_tables(s, exhaustive) for s in work.scans}
-        for sched in schedules:
-            # Each front's tables frozen once, not once per combination they enter.
-            fronts = [[((s.name, frozen_table(t)), a) for t, a in _front(
-                [(t, scan_terms(s, t, sched, hw, estimated_recompute(s, t)))
-                 for t in per_scan[s.name]])] for s in work.scans]
-            for combo in itertools.product(*fronts):
-                placement = tuple(sorted(frozen for frozen, _ in combo))
-                terms = functools.reduce(operator.add, (a for _, a in combo))
-                found += [_finish(Candidate(work.batch, placement, sched, "", state, work.mesh),
-                                  work, hw, terms, False) for state in STATES]
-    return rank(found)
-
-
-def rank(predictions: list[Prediction]) -> list[Prediction]:
-    """Fitting first, then by throughput (TFLOP/s/device compares micro batches); among
-    equals, the most device memory left (static plans miss NCCL's and cuDNN's), then host."""
-    return sorted(predictions, key=lambda p: (not p.fits, -round(p.tflops, 1), p.device_bytes,
-                                              p.host_bytes))
-
-
-def pareto(predictions: list[Prediction]) -> list[Prediction]:
-    """The fitting predictions no other beats on both device memory and throughput."""
-    fits = sorted((p for p in predictions if p.fits), key=lambda p: (p.device_bytes, -p.tflops))
-    front = []
-    for p in fits:
-        if not front or p.tflops > front[-1].tflops:
-            front.append(p)
-    return front
 
 
 def overrides(candidate: Candidate, scans: list[str]) -> list[str]:
