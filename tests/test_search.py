@@ -19,6 +19,7 @@ from study.hardware.gpus import GPUS, gpu_of
 from study.plan import memory_plan
 from study.search import candidates, ranking
 from study.search.tracer import Tracer
+from study.plan import traced_step as traced_step_module
 from study.plan.traced_step import Pool, TracedStep, freeze
 from runtime import setup as runtime_setup
 
@@ -28,7 +29,7 @@ def predicted(name: str, device: str = "gb200") -> ranking.Prediction:
     row = configs.get(name)
     tracer = Tracer(row, gpu_of(row.name))
     hw = ps.hardware(GPUS[device], 128)
-    return ps.exact(tracer, ps.row_candidate(tracer, row), hw)
+    return tracer.exact(ps.row_candidate(tracer, row), hw)
 
 
 def test_deepseek_memory_facts():
@@ -187,16 +188,16 @@ def _leaves(value) -> list:
     return [value]
 
 
-def test_views_traced_in_a_worker_process_are_those_traced_here():
+def test_views_traced_in_a_worker_process_are_those_traced_here(monkeypatch):
     """A Pool's worker (a spawned process, its own trace cache) traces what this one does."""
+    monkeypatch.setattr(traced_step_module, "_STEPS", {})  # nothing traced yet
     row = configs.get("llama405b-offload")
     tracer = Tracer(row, gpu_of(row.name))
-    candidate = ps.row_candidate(tracer, row)
-    views = tracer.exact_views(candidate)[:4]  # what the backward reads, sites, plan, work
-    assert [name for _, name, _ in views] == ["needed", "sites", "residuals", "work"]
+    views = tracer.exact_views(ps.row_candidate(tracer, row))[1:4]
+    assert [name for _, name, _ in views] == ["sites", "residuals", "work"]
     with Pool(1) as pool:
-        pool.executor.submit(int).result()  # started: the first view is the worker's
-        pool.trace(views)
+        pool.executor.submit(int).result()  # started: it takes the first views
+        assert pool.trace(views) >= 1
     for step, name, placements in views:
         alone = TracedStep(step.model, step.run, step.mesh_shape)  # no cache shared
         value = getattr(alone, name)
@@ -258,13 +259,13 @@ CASE_LEADERS = [
      "wo": D}, "LHS", 20.865)]
 
 
-def _known_case() -> tuple[candidates.Ranked, ranking.Hardware]:
+def _known_case(capacity: int = 250) -> tuple[candidates.Ranked, ranking.Hardware]:
     works = {b: ranking.Workload(b, (_case_scan("dense", 2, CASE_DENSE, b),
                                      _case_scan("moe", 6, CASE_MOE, b)), other_flops=20.0 * b,
                                  fixed_bytes=100, model_flops=1e15 * b, state_bytes=60)
              for b in (1, 2)}
     hw = ranking.Hardware("x", rate=100.0, nvlink=20.0, host_link=5.0, devices=4,
-                          capacity=250, host_capacity=120)
+                          capacity=capacity, host_capacity=120)
     schedules = [ranking.Schedule(True), ranking.Schedule(True, True)]
     return candidates.search(works, hw, schedules), hw
 
@@ -309,6 +310,7 @@ def test_the_candidates_ranked_as_arrays_are_those_made_one_by_one_ranked_by_one
     assert ranked.device[by_rank].tolist() == [p.device_bytes for p in expected]
     assert ranked.tflops[by_rank].tolist() == [p.tflops for p in expected]
     assert ranked.fits[by_rank].tolist() == [p.fits for p in expected]
+    assert ranked.host[by_rank].tolist() == [p.host_bytes for p in expected]
 
     better = {0: 0.5, 3: 2.0, 700: 40.0}  # step time scaled: a leader falls, others rise
     changed = {i: dataclasses.replace(expected[i], step_s=expected[i].step_s * f,
@@ -318,6 +320,18 @@ def test_the_candidates_ranked_as_arrays_are_those_made_one_by_one_ranked_by_one
     assert list(ranked) == _ranked_as_python_would([changed.get(i, p)
                                                     for i, p in enumerate(expected)])
 
-    fits = sorted((p for p in list(ranked) if p.fits), key=lambda p: (p.device_bytes, -p.tflops))
+    # Rows after the candidates: one as small as the smallest fitting one and faster (on the
+    # front, after it), one as fast as the front's fastest and larger (not on it).
+    smallest = min((p for p in ranked if p.fits), key=lambda p: p.device_bytes)
+    rows = [dataclasses.replace(smallest, tflops=smallest.tflops * 1.01),
+            dataclasses.replace(ranked[0], device_bytes=ranked[0].device_bytes + 1)]
+    fits = sorted((p for p in list(ranked) + rows if p.fits),
+                  key=lambda p: (p.device_bytes, -p.tflops))
     front = [p for i, p in enumerate(fits) if all(p.tflops > q.tflops for q in fits[:i])]
-    assert ranked.pareto([]) == front and len(front) > 2
+    assert ranked.pareto(rows) == front and len(front) > 2 and rows[0] in front
+    assert rows[1] not in front
+
+
+def test_no_candidate_fits_no_front():
+    ranked, _ = _known_case(capacity=0)
+    assert not ranked.fits.any() and ranked.pareto([]) == []

@@ -198,16 +198,23 @@ def _view_alone(model, run: RunConfig, mesh_shape: tuple, name: str, placements:
     return _view(traced_step(model, run, mesh_shape), name, placements)
 
 
+def _worker_started():
+    """A worker traces for any target on abstract values: its JAX on the CPU (on a GPU host it
+    would open a GPU client of its own), its cyclic collector off as the search's is
+    (study/search/placements.py)."""
+    jax.config.update("jax_platforms", "cpu")
+    gc.disable()
+
+
 class Pool:
     """Traces many views at once: each traces alone, and tracing is Python, one core a process.
     `workers` processes beside this one (0: this one only) take views from the front of a list,
     this one from the back, until they meet; every view lands in its step's cache here."""
 
     def __init__(self, workers: int):
-        # spawn, not fork: this process's JAX has threads. The workers' collector is off as
-        # this one's is during a search (study/search/placements.py).
+        # spawn, not fork: this process's JAX has threads.
         context = multiprocessing.get_context("spawn")
-        self.executor = (ProcessPoolExecutor(workers, context, initializer=gc.disable)
+        self.executor = (ProcessPoolExecutor(workers, context, initializer=_worker_started)
                          if workers else None)
 
     def __enter__(self) -> "Pool":
@@ -217,7 +224,8 @@ class Pool:
         if self.executor:
             self.executor.shutdown(cancel_futures=True)
 
-    def trace(self, views: list[View]):
+    def trace(self, views: list[View]) -> int:
+        """Every view of `views` not yet traced, into its step's cache; how many workers traced."""
         todo = {}
         for step, name, placements in views:
             if _key(name, placements) not in step._traced:
@@ -226,13 +234,18 @@ class Pool:
         futures = [self.executor.submit(_view_alone, step.model, step.run, step.mesh_shape, name,
                                         placements) if self.executor else None
                    for step, name, placements in todo]
+        elsewhere = 0
         for (step, name, placements), future in reversed(list(zip(todo, futures))):
-            here = future is None or future.cancel()  # not yet taken by a worker
+            # A view a worker has taken (or queued to take) cannot be cancelled: wait for it.
+            here = future is None or future.cancel()
+            elsewhere += not here
             step._traced[_key(name, placements)] = (_view(step, name, placements) if here
                                                     else future.result())
+        return elsewhere
 
 
 def workers_available() -> int:
-    """The processes a Pool may add: one per CPU this process may use, but its own."""
+    """The processes a Pool may add: one per CPU this process may use but its own, at most
+    seven (each starts by importing JAX, and a search's traces are a few dozen)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(0, (cpus or 1) - 1)
+    return min(7, max(0, (cpus or 1) - 1))

@@ -1,7 +1,7 @@
-"""Every candidate of a placement search, ranked. A DeepSeek search has over half a million: their
-figures are summed, finished and ranked as arrays (ranking.figures, the one candidate's
-arithmetic on arrays), and a Prediction is made only for a candidate read (the leaders, the
-Pareto front), from its scans' terms as `ranking.predict` would."""
+"""Every candidate of a placement search, ranked. There are too many to make an object each
+(docs/search.md): their figures are summed, finished and ranked as arrays (ranking.figures, the
+one candidate's arithmetic on arrays), and a Prediction is made only for a candidate read (the
+leaders, the Pareto front), from its scans' terms as `ranking.predict` would."""
 
 import dataclasses
 import functools
@@ -42,10 +42,9 @@ class Block:
         summed = functools.reduce(operator.add, axes)
         summed = Terms(*(np.broadcast_to(v, self.shape).ravel()
                          for v in dataclasses.astuple(summed)))
-        per_state = [dict(zip(("terms", "device", "host", "step", "tflops", "fits"),
-                              figures(summed, self.work, self.hw, state == "host")))
-                     for state in STATES]
-        return {name: np.stack([f[name] for f in per_state], axis=1).ravel() for name in FIGURES}
+        per_state = [figures(summed, self.work, self.hw, state == "host") for state in STATES]
+        return {name: np.stack([getattr(f, name) for f in per_state], axis=1).ravel()
+                for name in FIGURES}
 
     def prediction(self, i: int) -> Prediction:
         combo, state = divmod(i, len(STATES))
@@ -99,7 +98,7 @@ class Ranked(Sequence):
             self.replaced[i] = p
             self.device[i], self.host[i], self.tflops[i], self.fits[i] = (
                 p.device_bytes, p.host_bytes, p.tflops, p.fits)
-            self.rounded[i] = round(p.tflops, 1)
+            self.rounded[i] = round(float(p.tflops), 1)  # Python's, as above
         self._rank()
 
     def fitting(self) -> np.ndarray:
@@ -114,7 +113,9 @@ class Ranked(Sequence):
         tflops = np.concatenate([self.tflops[kept], [p.tflops for p in extra]])
         by_device = np.lexsort((-tflops, device))
         best = np.maximum.accumulate(tflops[by_device])
-        on_front = by_device[np.concatenate([[True], tflops[by_device][1:] > best[:-1]])]
+        better = np.ones(len(by_device), bool)  # than every one before it: the first, or none
+        better[1:] = tflops[by_device][1:] > best[:-1]
+        on_front = by_device[better]
         return [self._made(int(kept[i])) if i < len(kept) else extra[i - len(kept)]
                 for i in on_front.tolist()]
 

@@ -72,13 +72,6 @@ def hardware(gpu: Gpu, devices: int) -> ranking.Hardware:
                             gpu.host_memory, gpu.network, gpu.domain_size(devices))
 
 
-def exact(tracer: Tracer, candidate: ranking.Candidate, hw: ranking.Hardware):
-    expert = candidate.mesh[2] if candidate.mesh else 0
-    return ranking.predict(candidate, tracer.workload(candidate.batch, expert, savings=False),
-                           hw, tracer.recompute(candidate.batch, tracer.placement(candidate),
-                                                expert))
-
-
 @dataclasses.dataclass
 class Result:
     experiment: Experiment
@@ -157,8 +150,8 @@ def run_search(experiment: Experiment, gpu: Gpu, options: dict, clock) -> Result
         while (todo := [i for i, p in enumerate(ranked[:int(options["exact"])])
                         if p.fits and not p.exact]):
             pool.trace([v for i in todo for v in tracer.exact_views(ranked[i].candidate)])
-            ranked.replace({i: exact(tracer, ranked[i].candidate, hw) for i in todo})
-        counted = [exact(tracer, c, hw) for c in rows]
+            ranked.replace({i: tracer.exact(ranked[i].candidate, hw) for i in todo})
+        counted = [tracer.exact(c, hw) for c in rows]
     return Result(experiment, hw, batches, ranked, counted, clock() - started)
 
 

@@ -17,6 +17,7 @@ all-to-alls feed the GEMMs after them: always exposed."""
 import dataclasses
 import functools
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -222,16 +223,25 @@ def predict(candidate: Candidate, work: Workload, hw: Hardware, recompute=None) 
     return finish(candidate, work, hw, terms, recompute is not None)
 
 
+class Figures(NamedTuple):
+    """A candidate's (or, as arrays, many candidates') figures from its summed terms."""
+    terms: Terms  # host_s with the optimizer state's transfers, if on host
+    device: float  # bytes
+    host: float
+    step_s: float
+    tflops: float  # MaxText's model FLOPs / step / device, in TFLOP/s
+    fits: bool
+
+
 def finish(candidate: Candidate, work: Workload, hw: Hardware, terms: Terms,
            exact: bool) -> Prediction:
-    terms, device, host, step, tflops, fits = figures(terms, work, hw,
-                                                       candidate.optimizer_state == "host")
-    return Prediction(candidate, terms, device, host, step, tflops, fits, exact)
+    return Prediction(candidate, *figures(terms, work, hw, candidate.optimizer_state == "host"),
+                      exact)
 
 
-def figures(terms: Terms, work: Workload, hw: Hardware, state_on_host: bool) -> tuple:
-    """(terms, device bytes, host bytes, step seconds, TFLOP/s/device, fits) of a candidate's
-    summed `terms`: numbers, or arrays of them (one candidate each), by the same arithmetic."""
+def figures(terms: Terms, work: Workload, hw: Hardware, state_on_host: bool) -> Figures:
+    """A candidate's figures from its summed `terms`: numbers, or arrays of them (one candidate
+    each), by the same arithmetic."""
     device = work.fixed_bytes + terms.device + terms.prefetch
     host = terms.host
     if state_on_host:
@@ -243,7 +253,7 @@ def figures(terms: Terms, work: Workload, hw: Hardware, state_on_host: bool) -> 
         device = device + work.state_bytes
     step = terms.compute_s + work.other_flops / hw.rate + terms.host_s + terms.link_s
     fits = (device <= hw.capacity) & (host <= hw.host_capacity)
-    return terms, device, host, step, work.model_flops / step / 1e12, fits
+    return Figures(terms, device, host, step, work.model_flops / step / 1e12, fits)
 
 
 def scan_tables(scan: Scan, exhaustive: bool) -> list[dict]:

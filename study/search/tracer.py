@@ -120,8 +120,8 @@ class Tracer:
         (a candidate counted on its own trace: its work traced at its own micro batch) each
         tag's saving is zero."""
         expert = expert or self.run.mesh.expert
-        at = self.work_degree(expert) if savings else expert  # the degree traced
-        step, traced = self.step(batch, expert), self.step(batch, at)
+        degree = self.work_degree(expert) if savings else expert  # the degree traced
+        step, at_degree = self.step(batch, expert), self.step(batch, degree)
         none, remat = self.base_work(batch, expert, traced=not savings)
 
         def tag(s: str, v) -> ranking.Tag:
@@ -131,17 +131,17 @@ class Tracer:
             return ranking.Tag(v.tag, v.nbytes, none.positions.get((s, v.tag), 0.0),
                                *(batch * x for x in saved))
 
-        needed = self.needed(at)
+        needed = self.needed(degree)
         scans = []
         for s in self.scans:
             n = step.layers[s]
-            sites = sorted((v for v in traced.sites if v.scan == s and (s, v.tag) in needed),
+            sites = sorted((v for v in at_degree.sites if v.scan == s and (s, v.tag) in needed),
                            key=lambda v: v.tag != activations.LAYER_INPUT)
             forward, backward = (none.flops.get((s, p), 0.0) / n for p in ("forward", "backward"))
             scans.append(ranking.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
                                       remat[s][0], none.exchanged.get((s, "forward"), 0.0) / n,
                                       remat[s][1], step.gathered_layer_bytes(s), expert))
-        fixed, state = self.remat_plan(batch, expert, at)
+        fixed, state = self.remat_plan(batch, expert, degree)
         # The layer inputs (each scan's first tag) are the candidate's to place.
         fixed -= sum(scan.layers * scan.tags[0].nbytes for scan in scans)
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
@@ -154,19 +154,26 @@ class Tracer:
         gradient traced at the experiment's micro batch serves every micro batch."""
         return self.step(self.run.per_device_batch, expert).needed
 
-    def remat_plan(self, batch: int, expert: int, at: int) -> tuple[int, int]:
+    def remat_plan(self, batch: int, expert: int, degree: int) -> tuple[int, int]:
         """Peak device bytes with every tag recomputed, without the optimizer state, and the
         optimizer state's bytes: the static plan's arithmetic, its activations traced at the
-        expert-parallel degree `at`."""
-        step, traced = self.step(batch, expert), self.step(batch, at)
-        lines = [memory_plan.TagLine(v, "remat", True, False) for v in traced.sites]
+        expert-parallel degree `degree`."""
+        step, at_degree = self.step(batch, expert), self.step(batch, degree)
+        lines = [memory_plan.TagLine(v, "remat", True, False) for v in at_degree.sites]
         gpu = self.gpu
         planned = memory_plan.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory,
-                                   activations=traced)
+                                   activations=at_degree)
         return planned.peak_estimate - planned.device_optimizer, planned.optimizer
 
     def placement(self, candidate: ranking.Candidate) -> dict:
         return {s: candidate.table(s) for s in self.scans}
+
+    def exact(self, candidate: ranking.Candidate, hw: ranking.Hardware) -> ranking.Prediction:
+        """`candidate` counted on traces at its own micro batch and degree (`exact_views`)."""
+        expert = candidate.mesh[2] if candidate.mesh else 0
+        return ranking.predict(candidate, self.workload(candidate.batch, expert, savings=False),
+                               hw, self.recompute(candidate.batch, self.placement(candidate),
+                                                  expert))
 
     def views(self, batches: list[int], degrees: list[int],
               rows: list[ranking.Candidate]) -> list[View]:
@@ -180,8 +187,8 @@ class Tracer:
                       *self._work_views(own, expert, [None, self.remat])]
         found += [v for e in degrees for batch in batches
                   for v in self._plan_views(batch, self.work_degree(e))]
-        return found + self._work_views(own, 0, [self.keeping(kept)
-                                                 for kept in self.saving_traces()])
+        return found + self._work_views(own, 0, [None, self.remat, *map(self.keeping,
+                                                                       self.saving_traces())])
 
     def exact_views(self, candidate: ranking.Candidate) -> list[View]:
         """The traces `candidate`, counted on its own trace, reads."""
