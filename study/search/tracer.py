@@ -170,7 +170,7 @@ class Tracer:
 
     def exact(self, candidate: ranking.Candidate, hw: ranking.Hardware) -> ranking.Prediction:
         """`candidate` counted on traces at its own micro batch and degree (`exact_views`)."""
-        expert = candidate.mesh[2] if candidate.mesh else 0
+        expert = _degree(candidate)
         return ranking.predict(candidate, self.workload(candidate.batch, expert, savings=False),
                                hw, self.recompute(candidate.batch, self.placement(candidate),
                                                   expert))
@@ -192,7 +192,7 @@ class Tracer:
 
     def exact_views(self, candidate: ranking.Candidate) -> list[View]:
         """The traces `candidate`, counted on its own trace, reads."""
-        expert = candidate.mesh[2] if candidate.mesh else 0
+        expert = _degree(candidate)
         return [(self.step(self.run.per_device_batch, expert), "needed", ()),
                 *self._plan_views(candidate.batch, expert),
                 *self._work_views(candidate.batch, expert,
@@ -204,3 +204,8 @@ class Tracer:
     def _plan_views(self, batch: int, expert: int) -> list[View]:
         return [(self.step(batch, expert), "sites", ()),
                 (self.step(batch, expert), "residuals", (self.remat,))]
+
+
+def _degree(candidate: ranking.Candidate) -> int:
+    """A candidate's expert-parallel degree; 0 (the experiment's own) if not searched."""
+    return candidate.mesh[2] if candidate.mesh else 0
