@@ -36,7 +36,6 @@ from data.tokens import DataError
 from hf.safetensors import CheckpointError
 from runtime import checkpoints, comparison, distributed, header, own_program, report, sample
 from runtime.backend import BackendError
-from runtime.fit import FitError
 from runtime.own_program import size_words
 from runtime.report import NonFiniteLoss
 from runtime.setup import Setup, check_machine, fitted, program_for, resolve, start_state
@@ -161,30 +160,26 @@ def compare(name: str, args: list[str]) -> int:
 def fit(args: list[str], target: Target) -> int:
     """`python train.py fit EXPERIMENT|COMPARISON [key=value ...]`: each row resolved and, at fit
     scale, fitted to this machine (compiled, nothing run or written); for a comparison the fit
-    every row fits, each row after the first checked at the fit so far."""
+    every row fits: each row after the first fitted with the reductions so far, at most as many
+    layers as the fit so far."""
     if not args or "=" in args[0]:
         raise ConfigError("usage: python train.py fit EXPERIMENT [key=value ...]")
-    name, words, common = args[0], args[1:], []
+    name, words, common, most = args[0], args[1:], [], None
     for row in configs.COMPARISONS.get(name, (name,)):
         setup = resolve(row, [*words, *common], target.devices)
         if setup.scale != "fit":
             print(f"{row}: {setup.scale} scale here ({setup.scale_reason}): nothing to fit")
             continue
-        try:
-            setup, _ = fitted(setup, target)
-        except FitError:
-            if not common:
-                raise
-            kept = [w for w in common if not w.startswith(("model.n_layers=",
-                                                           "model.n_dense_layers="))]
-            setup, _ = fitted(resolve(row, [*words, *kept], target.devices), target)
-        found, common = setup.fit, setup.fit.word_list()
+        setup, _ = fitted(setup, target, most)
+        found, most = setup.fit, setup.fit.layers
+        common = [w for w in found.word_list() if not w.startswith(("model.n_layers=",
+                                                                    "model.n_dense_layers="))]
         print(f"{row}: {found.layers} of {setup.experiment.model.n_layers} layers fit "
               f"{target.description}: {size_words(found.memory.device)} per device, "
               f"{size_words(found.memory.host)} in host memory ({found.found()}): "
-              f"{' '.join(common)}")
-    if common and name in configs.COMPARISONS:
-        print(comparison.FIT_LINE + " ".join(common))
+              f"{' '.join(found.word_list())}")
+    if most and name in configs.COMPARISONS:
+        print(comparison.FIT_LINE + " ".join(found.word_list()))
     return 0
 
 

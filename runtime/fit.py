@@ -171,11 +171,15 @@ def search(model, run, budget: Budget, measure: Callable[[dict], tuple], fixed: 
     layer count it set is checked, and if it does not fit, the line names how many do."""
     started, seen = time.perf_counter(), {}
 
+    def key(words: dict) -> tuple:
+        """The words that change the run: one that sets what it has already (a reduction's
+        last value, the whole) compiles the same program."""
+        return tuple(sorted((k, v) for k, v in words.items() if v != _given(model, run, k)))
+
     def at(words: dict) -> CompiledMemory:
-        key = tuple(sorted(words.items()))
-        if key not in seen:
-            seen[key] = measure(words)
-        return seen[key][0]
+        if key(words) not in seen:
+            seen[key(words)] = measure(words)
+        return seen[key(words)][0]
 
     per_layers, counts = layer_words(model, fixed, full)
     wanted = model.n_layers if "model.n_layers" in fixed else None
@@ -202,8 +206,14 @@ def search(model, run, budget: Budget, measure: Callable[[dict], tuple], fixed: 
         chosen = {**per_layers(wanted), **words}
         fit = Fit(chosen, model, at(chosen), over, budget, len(seen),
                   time.perf_counter() - started)
-        return fit, seen[tuple(sorted(chosen.items()))][1]
+        return fit, seen[key(chosen)][1]
     raise FitError(_nothing_fits(model, budget, words, counts, at, per_layers))
+
+
+def _given(model, run, key: str) -> str:
+    """A fit word's value as the run has it (`model.<field>` from the model, else the run's)."""
+    return str(getattr(model, key.removeprefix("model."), None) if key.startswith("model.")
+               else getattr(run, key, None))
 
 
 def _with(words: dict, model) -> str:

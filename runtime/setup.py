@@ -183,10 +183,10 @@ def with_fit(setup: Setup, fit: fits.Fit) -> Setup:
     return dataclasses.replace(setup, model=model, run=run, data=data, fit=fit)
 
 
-def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
-    """The fit of a run at fit scale on this machine and its program, compiled: searched, or
-    (a resume) the checkpoint's fit, checked. A layer count set on the command line that does
-    not fit is one line naming how many do."""
+def fitted(setup: Setup, target: Target, most: int | None = None) -> tuple[Setup, Program]:
+    """The fit of a run at fit scale on this machine and its program, compiled: searched (at
+    most `most` layers), or (a resume) the checkpoint's fit, checked. A layer count set on the
+    command line that does not fit is one line naming how many do."""
     budget_ = machine_budget(setup.run, target)
     fixed = {k for k in (w.partition("=")[0] for w in setup.args) if k != "scale"}
 
@@ -207,8 +207,9 @@ def fitted(setup: Setup, target: Target) -> tuple[Setup, Program]:
                                   seconds=time.perf_counter() - started)
         return dataclasses.replace(setup, fit=fit), program
     data, fsdp, expert = setup.run.mesh.shape(len(target.devices))
+    full = min(setup.experiment.model.n_layers, most or fits.UNBOUNDED)
     fit, program = fits.search(setup.model, setup.run, budget_, measure, fixed, fsdp * expert,
-                               target.platform == "gpu", setup.experiment.model.n_layers)
+                               target.platform == "gpu", full)
     return with_fit(setup, fit), program
 
 

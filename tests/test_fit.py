@@ -3,6 +3,7 @@ a run takes is the largest whose compiled program fits and one more does not, ea
 compiling those programs here, apart from the search; the reductions where the fewest layers do
 not fit; the header; a resume; a comparison's common fit; its bad input."""
 
+import functools
 import json
 import re
 
@@ -30,12 +31,17 @@ DEEPSEEK = ["scale=fit", "model.d_model=64", "model.n_heads=2", "model.q_lora_ra
             "seq=32", "per_device_batch=1"]
 
 
-def compiled(name: str, words: list[str]) -> CompiledMemory:
-    """The memory of `name`'s step with `words`, compiled here for this machine's devices (at
-    fit scale, its layer count given: no budget applies)."""
+@functools.cache
+def _compiled(name: str, words: tuple[str, ...]) -> CompiledMemory:
     setup = runtime_setup.resolve(name, ["fit_memory=1000", *words], jax.devices())
     return CompiledMemory.of(Program(setup.model, setup.run, setup.placement,
                                      this_machine()).compile_run())
+
+
+def compiled(name: str, words: list[str]) -> CompiledMemory:
+    """The memory of `name`'s step with `words`, compiled here for this machine's devices (at
+    fit scale, its layer count given: no budget applies); once per worker (tests share them)."""
+    return _compiled(name, tuple(words))
 
 
 def between(a: int, b: int) -> str:
@@ -128,20 +134,44 @@ def test_where_two_layers_do_not_fit_the_vocabulary_is_reduced(capsys):
 def test_where_two_moe_layers_do_not_fit_the_routed_experts_are_reduced(capsys):
     """DeepSeek on 8 CPU devices (its expert degree, 8) at its fewest layers, set here (4:
     its dense layers first, two, then two MoE ones): a budget halfway between that program
-    with 64 and with 72 routed experts (steps of 8: the groups and the expert axis divide
-    them) takes 64, top-8 and the expert width kept."""
+    with 24 and with 32 routed experts (steps of 8: the groups and the expert axis divide
+    them; 16 the fewest, two per group) takes 24, top-8 and the expert width kept."""
     fewest = [*DEEPSEEK, *layers(4)]
     small, large = (compiled("deepseek671b-offload", [*fewest, "model.n_dense_layers=2",
                                                       f"model.n_experts={e}"]).device
-                    for e in (64, 72))
+                    for e in (24, 32))
     assert train.main(["fit", "deepseek671b-offload", *fewest, between(small, large)]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
-    assert line.endswith("model.n_layers=4 model.n_dense_layers=2 model.n_experts=64"), line
+    assert line.endswith("model.n_layers=4 model.n_dense_layers=2 model.n_experts=24"), line
+
+
+def test_the_search_compiles_each_program_once():
+    """A fit searched on a stand-in for the compiler (memory linear in layers, experts and
+    vocabulary) at DeepSeek's full size, where the fewest layers fit only with fewer experts:
+    no two programs it asks for are the same (a reduction's last value is the whole: the
+    program with no reduction), and it takes the most experts and layers that fit."""
+    experiment = configs.get("deepseek671b-offload")
+    model, run = experiment.model, experiment.run
+    asked = []
+
+    def measure(words):
+        said = {"n_layers": model.n_layers, "n_dense_layers": model.n_dense_layers,
+                "n_experts": model.n_experts, "vocab": model.vocab}
+        said.update({k.removeprefix("model."): int(v) for k, v in words.items()})
+        asked.append(tuple(said.values()))
+        device = said["n_layers"] * said["n_experts"] * GiB + said["vocab"]
+        return CompiledMemory(device, 0, 0, 0, 0), None
+
+    budget = fits.Budget(int(5.5 * 64 * GiB), 2**40, "", "")
+    fit, _ = fits.search(model, run, budget, measure, set(), 64, False, model.n_layers)
+    assert fit.words == {"model.n_layers": "5", "model.n_dense_layers": "3",
+                         "model.n_experts": "64"}
+    assert len(asked) == len(set(asked)) == fit.compiles
 
 
 def test_a_comparisons_fit_is_one_every_row_fits(capsys):
     """`train.py fit llama405b-compare`: the rows fitted one after another, each after the
-    first at the fit so far; the last line is the fit every row fits (here on a CPU the
+    first to at most the fit so far; the last line is the fit every row fits (here on a CPU the
     offload rows keep Q/K/V on the device, more than the baseline's): at it every row's
     program fits, and one more layer does not fit some row's (compiled here)."""
     five, six = (compiled("llama405b-baseline", [*SMALL_VOCAB, *layers(n)]) for n in (5, 6))
