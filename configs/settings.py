@@ -148,7 +148,7 @@ class RunConfig:
     tensorboard: bool = setting(False, shown="output")  # an optional extra (docs/data.md)
     attention: str = setting("auto", ("auto", "cudnn", "xla"), shown="kernels")  # cudnn: GPUs
     # MoE models, dropless without an expert axis: sorted (grouped GEMMs) | dense | auto.
-    expert_path: str = setting("auto", ("auto", "sorted", "dense"), shown="kernels")
+    expert_path: str = setting("auto", ("auto", "sorted", "dense", "tiled"), shown="kernels")
     # A device's rows per expert, in balanced shares, in blocks over the expert axis (and on one
     # device without one); 0: dropless (docs/model.md).
     expert_capacity: float = setting(0.0, Range(0, note="0: dropless"), resume="same",

@@ -1,7 +1,7 @@
-"""Routed experts on one device's tokens: every expert densely, sorted grouped GEMMs, or
-split over the devices of one mesh axis (expert parallelism) with a fixed-size block per
-expert, exchanged by all-to-alls inside that axis. Letters: docs/model.md (S a device's tokens,
-P devices, C rows per block, l a device's own experts)."""
+"""Routed experts on one device's tokens: every expert densely, sorted grouped GEMMs, tiles
+of sorted pairs, or split over the devices of one mesh axis (expert parallelism) with a
+fixed-size block per expert, exchanged by all-to-alls inside that axis. Letters: docs/model.md
+(S a device's tokens, P devices, C rows per block, l a device's own experts, g a tile, r rows)."""
 
 import dataclasses
 import math
@@ -21,7 +21,7 @@ def _swiglu(rows, w, project_in, project_out):
 
 def experts_dense(x, weights, experts, w, n_experts: int):
     """Every expert on every token, each output weighted by its routing weight (0 when not
-    chosen): exact, and on a CPU faster than grouped GEMMs for a few experts. x [S, D]."""
+    chosen): exact, at E/k times the routed work; the simplest reference. x [S, D]."""
     combine = jnp.einsum("ske,sk->se", jax.nn.one_hot(experts, n_experts, dtype=weights.dtype),
                          weights)
     out = _swiglu(x, w, partial(jnp.einsum, "sd,edf->sef"), partial(jnp.einsum, "sef,efd->sed"))
@@ -41,7 +41,40 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
     return jnp.zeros_like(x).at[tokens].add(out)
 
 
-EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted}
+TILE = 64  # rows; of 32, 64 and 128, the DeepSeek proxy's CPU step was fastest at 64
+
+
+def experts_tiled(x, weights, experts, w, n_experts: int, tile: int = TILE):
+    """Dropless batched GEMMs: the S*k (token, expert) pairs sorted by expert, each expert's
+    padded to whole tiles of `tile` rows, each tile one GEMM with its expert's weights
+    (gathered per tile), outputs weighted and summed back per token. About k/E of `dense`'s
+    work plus the padding: on a CPU faster than `dense` and than `ragged_dot`. x [S, D]."""
+    S, k = experts.shape
+    pairs = experts.reshape(-1)
+    order = jnp.argsort(pairs, stable=True)
+    chosen = pairs[order]
+    count = jnp.bincount(pairs, length=n_experts)
+    padded = -(-count // tile) * tile
+    ends = jnp.cumsum(padded)  # each expert's tiles end here, its pairs first, then padding
+    row = (ends - padded)[chosen] + jnp.arange(S * k) - (jnp.cumsum(count) - count)[chosen]
+    n_tiles = (S * k + n_experts * (tile - 1)) // tile  # the most tiles any routing takes
+    token = jnp.full((n_tiles * tile,), S, jnp.int32).at[row].set((order // k).astype(jnp.int32))
+    weight = jnp.zeros((n_tiles * tile,), weights.dtype).at[row].set(weights.reshape(-1)[order])
+    # A tile's expert: how many experts' tiles end at or before it starts (a comparison, not
+    # searchsorted's loop, which a CPU program would not unroll); past the last: padding.
+    starts = jnp.arange(n_tiles)[:, None] * tile
+    tile_expert = jnp.minimum((ends[None, :] <= starts).sum(axis=1), n_experts - 1)
+
+    def project(subscripts, rows, m):
+        return jnp.einsum(subscripts, rows, m[tile_expert])
+
+    rows = rearrange(_rows(x, token), "(g r) d -> g r d", r=tile)  # token S: padding, zeros
+    out = _swiglu(rows, w, partial(project, "grd,gdf->grf"), partial(project, "grf,gfd->grd"))
+    out = rearrange(out, "g r d -> (g r) d").astype(jnp.float32) * weight[:, None]
+    return jnp.zeros((S + 1, x.shape[1]), jnp.float32).at[token].add(out)[:S].astype(x.dtype)
+
+
+EXPERT_PATHS = {"dense": experts_dense, "sorted": experts_sorted, "tiled": experts_tiled}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ class ForwardOptions:
     rules: AxisRules | None = None  # None: traced for one device, no sharding constraints
     attention: str = "xla"  # XLA's; "cudnn": cuDNN's fused kernel (GPUs)
     quantization: Quantization | None = None  # the layer matrices' GEMMs in NVFP4
-    experts: str = "sorted"  # routed experts without an expert axis: "sorted" or "dense"
+    experts: str = "sorted"  # routed experts without an expert axis: model/experts.py's paths
     expert_parallel: ExpertParallel | None = None  # routed experts split over an expert axis
     unrolled: bool = False  # layer scans unrolled in the compiled program (short ones on CPUs)
 

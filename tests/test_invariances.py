@@ -83,8 +83,8 @@ def test_every_policy_gives_the_gradients_of_no_checkpointing(name, table):
     the recomputed forward). (The sorted experts' path under a policy: tests/test_sharding.py.)"""
     family, cfg = FAMILIES[name]
     params, batch = one_device_params(cfg), tokens(cfg, seq=13, seed=3)
-    reference = loss_and_grads(cfg, params, batch, None, "dense")
-    checked = loss_and_grads(cfg, params, batch, freeze(every_table(family)[table]), "dense")
+    reference = loss_and_grads(cfg, params, batch, None, "tiled")  # a CPU's experts
+    checked = loss_and_grads(cfg, params, batch, freeze(every_table(family)[table]), "tiled")
     assert_trees_close(checked, reference, rel=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_a_cpu_runs_a_short_layer_scan_unrolled_with_the_loops_gradients(name):
     GPU's keep the loop."""
     _, cfg = FAMILIES[name]
     params, batch = one_device_params(cfg), tokens(cfg, seq=13, seed=3)
-    run = dataclasses.replace(RUN, expert_path="dense")
+    run = dataclasses.replace(RUN, expert_path="tiled")
     unrolled = forward_options(cfg, run, None, None, Target("cpu"))
     looped = dataclasses.replace(unrolled, unrolled=False)
 

@@ -14,6 +14,7 @@ from configs.deepseek_v3 import DEEPSEEK_V3
 from configs.llama3 import LLAMA31_8B, LLAMA31_70B, LLAMA31_405B
 from hf.load import load_checkpoint
 from model import deepseek, families
+from model import experts as model_experts
 from model.options import ForwardOptions
 from model.layers import rope_frequencies, yarn_frequencies
 from model.params import abstract_params, param_count
@@ -89,24 +90,50 @@ def test_routing_matches_a_float64_transcription(norm):
                                np.take_along_axis(want_w, want_order, 1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("expert_path", list(deepseek.EXPERT_PATHS))
-def test_dropless_experts_equal_a_per_token_loop(expert_path):
-    rng = np.random.default_rng(1)
-    E, D, F, S, k = 6, 16, 12, 40, 3
+def routed_case(seed: int, E=6, D=16, F=12, S=40, k=3):
+    """Expert weights, tokens, routing weights and (token, expert) choices: (w, x, weights)."""
+    rng = np.random.default_rng(seed)
     w = {name: rng.normal(scale=0.3, size=shape).astype(np.float32) for name, shape in
          [("we_gate", (E, D, F)), ("we_up", (E, D, F)), ("we_down", (E, F, D))]}
     x = rng.normal(size=(S, D)).astype(np.float32)
-    experts = np.stack([rng.permutation(E)[:k] for _ in range(S)]).astype(np.int32)
-    experts[:10] = experts[0]  # a crowded expert, and others left empty
-    weights = rng.uniform(size=(S, k)).astype(np.float32)
-    got = deepseek.EXPERT_PATHS[expert_path](x, weights, experts, w, E)
-    want = np.zeros((S, D))
-    for t in range(S):
-        for j in range(k):
+    return w, x, rng.uniform(size=(S, k)).astype(np.float32)
+
+
+def per_token_loop(x, weights, experts, w) -> np.ndarray:
+    """Each token's chosen experts one by one, in float64."""
+    want = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
             e = experts[t, j]
             gate, up = x[t] @ w["we_gate"][e], x[t] @ w["we_up"][e]
             want[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w["we_down"][e])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    return want
+
+
+@pytest.mark.parametrize("expert_path", list(deepseek.EXPERT_PATHS))
+def test_dropless_experts_equal_a_per_token_loop(expert_path):
+    w, x, weights = routed_case(1)
+    rng = np.random.default_rng(1)
+    experts = np.stack([rng.permutation(6)[:3] for _ in range(40)]).astype(np.int32)
+    experts[:10] = experts[0]  # a crowded expert, and others left empty
+    got = deepseek.EXPERT_PATHS[expert_path](x, weights, experts, w, 6)
+    np.testing.assert_allclose(got, per_token_loop(x, weights, experts, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [1, 6, 19])
+def test_tiles_of_any_size_hold_every_routing(tile):
+    """The tiled path with tiles smaller than an expert's pairs: several tiles per expert, the
+    last one padded; every token choosing the same 3 experts (3 full experts, 3 empty); every
+    expert holding one pair more than whole tiles (120 pairs: the most padding and tiles)."""
+    w, x, weights = routed_case(2)
+    crowded = np.tile(np.array([[5, 0, 2]], np.int32), (40, 1))
+    whole = [114 // tile // 6 + (e < 114 // tile % 6) for e in range(6)]  # tiles per expert
+    pairs = np.repeat(np.arange(6, dtype=np.int32), [n * tile + 1 for n in whole])
+    padded = np.random.default_rng(3).permutation(pairs).reshape(40, 3)
+    for experts in (crowded, padded):
+        got = model_experts.experts_tiled(x, weights, experts, w, 6, tile=tile)
+        np.testing.assert_allclose(got, per_token_loop(x, weights, experts, w), rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_balance_loss_matches_the_papers_formula():

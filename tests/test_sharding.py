@@ -59,7 +59,7 @@ def test_fsdp_over_8_devices_equals_one_device(loss_chunks):
 # Under expert parallelism each device runs its experts as one GEMM over their blocks, whatever
 # expert_path says. Mesh (data, fsdp, expert).
 @pytest.mark.parametrize("expert_path, mesh", [
-    ("dense", (1, 8, 1)), ("sorted", (1, 8, 1)), ("dense", (1, 2, 4)), ("dense", (2, 2, 2))])
+    ("tiled", (1, 8, 1)), ("sorted", (1, 8, 1)), ("dense", (1, 2, 4)), ("dense", (2, 2, 2))])
 def test_deepseek_over_8_devices_equals_one_device(expert_path, mesh):
     """MoE layers route each device's own tokens (shard_map), with the experts gathered (FSDP)
     or split over an expert axis of 4 or 2 (expert parallelism, dropless blocks, FSDP-sharded

@@ -34,14 +34,14 @@ UNROLLED_LAYERS = 8  # the longest layer scan a CPU program unrolls
 def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRules | None,
                     target: Target) -> ForwardOptions:
     """What the forward depends on for this run and target (model/options.py): by default
-    cuDNN's attention on a GPU in bf16 or f16, and dense experts on CPUs (ragged_dot is slow)."""
+    cuDNN's attention on a GPU in bf16 or f16, and tiled experts on CPUs (ragged_dot is slow)."""
     attention = "xla" if target.platform == "any" else run.attention
     if attention == "auto":
         fused = target.platform == "gpu" and run.compute_dtype in ("bfloat16", "float16")
         attention = "cudnn" if fused else "xla"
     experts = run.expert_path
     if experts == "auto":
-        experts = "dense" if target.platform == "cpu" else "sorted"
+        experts = "tiled" if target.platform == "cpu" else "sorted"
     # A capacity asks for the experts in blocks, one device's too (a fit of an expert row on
     # fewer GPUs than its expert degree): XLA expands a ragged_dot per expert (docs/model.md).
     parallel = None
