@@ -147,7 +147,7 @@ class RunConfig:
     profile: bool = setting(False, shown="output")
     tensorboard: bool = setting(False, shown="output")  # an optional extra (docs/data.md)
     attention: str = setting("auto", ("auto", "cudnn", "xla"), shown="kernels")  # cudnn: GPUs
-    # MoE models, dropless without an expert axis: sorted (grouped GEMMs) | dense | auto.
+    # MoE models, dropless without an expert axis: sorted (grouped GEMMs) | dense | tiled | auto.
     expert_path: str = setting("auto", ("auto", "sorted", "dense", "tiled"), shown="kernels")
     # A device's rows per expert, in balanced shares, in blocks over the expert axis (and on one
     # device without one); 0: dropless (docs/model.md).

@@ -41,7 +41,18 @@ def experts_sorted(x, weights, experts, w, n_experts: int):
     return jnp.zeros_like(x).at[tokens].add(out)
 
 
-TILE = 64  # rows; of 32, 64 and 128, the DeepSeek proxy's CPU step was fastest at 64
+TILE = 64  # rows; docs/runs.md: the DeepSeek proxy's CPU step at 32, 64 and 128
+
+
+def _by_expert(experts, n_experts: int):
+    """The (token, expert) pairs (token * k + choice) by expert, in token order within one (a
+    stable sort): (their order, their experts, each expert's count, each one's position in
+    its expert's)."""
+    pairs = experts.reshape(-1)
+    order = jnp.argsort(pairs, stable=True).astype(jnp.int32)
+    chosen = pairs[order]
+    count = jnp.bincount(pairs, length=n_experts)
+    return order, chosen, count, jnp.arange(pairs.size) - (jnp.cumsum(count) - count)[chosen]
 
 
 def experts_tiled(x, weights, experts, w, n_experts: int, tile: int = TILE):
@@ -50,15 +61,12 @@ def experts_tiled(x, weights, experts, w, n_experts: int, tile: int = TILE):
     (gathered per tile), outputs weighted and summed back per token. About k/E of `dense`'s
     work plus the padding: on a CPU faster than `dense` and than `ragged_dot`. x [S, D]."""
     S, k = experts.shape
-    pairs = experts.reshape(-1)
-    order = jnp.argsort(pairs, stable=True)
-    chosen = pairs[order]
-    count = jnp.bincount(pairs, length=n_experts)
+    order, chosen, count, position = _by_expert(experts, n_experts)
     padded = -(-count // tile) * tile
     ends = jnp.cumsum(padded)  # each expert's tiles end here, its pairs first, then padding
-    row = (ends - padded)[chosen] + jnp.arange(S * k) - (jnp.cumsum(count) - count)[chosen]
+    row = (ends - padded)[chosen] + position
     n_tiles = (S * k + n_experts * (tile - 1)) // tile  # the most tiles any routing takes
-    token = jnp.full((n_tiles * tile,), S, jnp.int32).at[row].set((order // k).astype(jnp.int32))
+    token = jnp.full((n_tiles * tile,), S, jnp.int32).at[row].set(order // k)
     weight = jnp.zeros((n_tiles * tile,), weights.dtype).at[row].set(weights.reshape(-1)[order])
     # A tile's expert: how many experts' tiles end at or before it starts (a comparison, not
     # searchsorted's loop, which a CPU program would not unroll); past the last: padding.
@@ -165,13 +173,9 @@ def experts_exchanged(x, weights, experts, w, n_experts: int, parallel: ExpertPa
     P, local = parallel.devices, n_experts // parallel.devices
     S, k = experts.shape
     C = parallel.block_rows(S, k, n_experts)
-    pairs = experts.reshape(-1)
-    # Pairs by expert, in token order within one (a stable sort): a full block drops the last
-    # tokens' pairs. Slot e * C + position holds expert e's pair at that position.
-    order = jnp.argsort(pairs, stable=True).astype(jnp.int32)
-    chosen = pairs[order]
-    count = jnp.bincount(pairs, length=n_experts)
-    position = jnp.arange(S * k) - (jnp.cumsum(count) - count)[chosen]
+    # A full block drops its expert's last tokens' pairs. Slot e * C + position holds expert
+    # e's pair at that position.
+    order, chosen, _, position = _by_expert(experts, n_experts)
     kept = position < C
     slot = jnp.where(kept, chosen * C + position, n_experts * C).astype(jnp.int32)
     slot_pairs = jnp.full((n_experts * C,), S * k, jnp.int32).at[slot].set(order, mode="drop")

@@ -177,9 +177,9 @@ def search(model, run, budget: Budget, measure: Callable[[dict], tuple], fixed: 
         return tuple(sorted((k, v) for k, v in words.items() if v != _given(model, run, k)))
 
     def at(words: dict) -> CompiledMemory:
-        if key(words) not in seen:
-            seen[key(words)] = measure(words)
-        return seen[key(words)][0]
+        if (found := key(words)) not in seen:
+            seen[found] = measure(words)
+        return seen[found][0]
 
     per_layers, counts = layer_words(model, fixed, full)
     wanted = model.n_layers if "model.n_layers" in fixed else None
