@@ -21,7 +21,7 @@ checkpoint) -> run folder -> header -> loop -> summary. The full-scale plan, GPU
 search and step times: python -m study (study/).
 """
 
-from runtime import backend  # noqa: F401  (first: it settles the platform, GPU memory and XLA flags)
+from runtime import backend  # (first: it settles the platform, GPU memory and XLA flags)
 
 import math
 import signal
@@ -248,4 +248,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    backend.keep_freed_memory()  # a CPU's steps reuse their buffers' memory (why: backend.py)
     sys.exit(main(sys.argv[1:]))

@@ -60,18 +60,23 @@ def has_cuda_plugin() -> bool:
 
 
 # glibc's mallopt parameters (malloc.h): XLA's CPU runtime allocates a step's buffers anew at
-# every step and frees them after it. By default glibc gives each thread an arena of its own,
-# maps blocks of 32 MB and more straight from the OS and trims what is freed at the top of its
-# heap, so a step page-faults most of its buffers back in: at nanoGPT's size that took more
-# time than the step's arithmetic (docs/runs.md, "What a CPU step costs").
+# every step and frees them after it. By default glibc gives threads arenas of their own (a
+# buffer freed in one is not reused by the next step's allocation in another; two arenas keep
+# too few), maps blocks of 32 MB and more straight from the OS and trims what is freed, so a
+# step page-faulted most of its buffers back in: at nanoGPT's size more time than the step's
+# arithmetic (docs/runs.md, "What a CPU step costs").
 _ONE_ARENA_KEEPING_FREED = {-8: 1,           # M_ARENA_MAX: every thread's blocks from one heap
-                            -4: 0,           # M_MMAP_MAX: none mapped apart (and unmapped)
+                            -4: 0,           # M_MMAP_MAX: no block mapped apart (and unmapped)
                             -1: 2**31 - 1}   # M_TRIM_THRESHOLD: what is freed stays for reuse
 
 
 def keep_freed_memory() -> bool:
-    """On a CPU backend with glibc: freed memory kept for the next step's buffers (whether set).
-    A GPU's buffers are XLA's own pool's; a host there keeps glibc's defaults."""
+    """On a CPU backend with glibc, freed memory kept for the next step's buffers (whether set):
+    called by a process that trains (train.py, `python -m study cpu-step`) before JAX's client
+    starts. Not by the compile tools nor the test suite: XLA's compile threads then contend for
+    the one arena, and a compile takes about 1.5x as long. A GPU's buffers are XLA's own pool's."""
+    if has_gpu() and os.environ.get("JAX_PLATFORMS") != "cpu":
+        return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc's (musl's ignores these)
     return mallopt is not None and all(mallopt(k, v) == 1
                                        for k, v in _ONE_ARENA_KEEPING_FREED.items())
@@ -158,8 +163,6 @@ def host_reads_in_order(gradient=_probe_gradient, layers: int = 4) -> bool:
 
 if has_cuda_plugin() and not has_gpu():  # the `gpu-compile` extra on a machine without a GPU
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if not has_gpu() or os.environ.get("JAX_PLATFORMS") == "cpu":  # before XLA starts its threads
-    keep_freed_memory()
 if not any(os.environ.get(name) for name in FRACTION_VARIABLES):
     os.environ[FRACTION_VARIABLES[0]] = str(MEMORY_FRACTION)
 # Whether someone set it, not this module (in this process or the one that started it): the

@@ -124,6 +124,7 @@ def test_a_resume_on_other_data_is_refused():
 # 3: its temporary buffers' pages, and the pages it page-faulted in per step.
 STEP_FAULTS = """
 from runtime import backend
+backend.keep_freed_memory()
 import resource
 from study.bench.cpu_step import NANOGPT, prepared
 size = prepared(*NANOGPT)
@@ -136,11 +137,11 @@ print(size.program.step.memory_analysis().temp_size_in_bytes // 4096, faults)
 
 
 def test_a_cpu_step_reuses_the_memory_its_last_step_freed():
-    """runtime/backend.py's allocator setting, in a process of its own: a step's buffers take
-    the memory the last step freed, so it page-faults in fewer than half as many pages as its
-    temporary buffers span. (With glibc's defaults it faults in all of them at every step, and
-    more: blocks that large are mapped anew each time, in pages of 4 KiB where the kernel gives
-    no huge pages.)"""
+    """The allocator setting a training process makes (runtime/backend.py), in a process of its
+    own: a step's buffers take the memory the last step freed, so it page-faults in fewer than
+    half as many pages as its temporary buffers span. (With glibc's defaults it faults in all
+    of them at every step, and more: blocks that large are mapped anew each time, in pages of
+    4 KiB where the kernel gives no huge pages.)"""
     result = subprocess.run([sys.executable, "-c", STEP_FAULTS], capture_output=True, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300, check=True,
                             cwd=Path(__file__).resolve().parent.parent)

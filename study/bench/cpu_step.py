@@ -18,7 +18,7 @@ import jax
 
 from configs import ConfigError
 from model import families
-from runtime import header
+from runtime import backend, header
 from runtime import setup as runtime_setup
 from runtime.setup import program_for, start_state
 from study.bench import cpu_profile
@@ -90,6 +90,7 @@ def options_of(argv: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
     options = options_of(argv)
+    backend.keep_freed_memory()  # as a training run does (train.py), before JAX's client starts
     sizes = {label: prepared(*what) for label, what in SIZES.items()}
     nanogpt = sizes["nanogpt"]
     ceilings, times = [], {(label, m): [] for label in sizes for m in ("step", "loop")}
