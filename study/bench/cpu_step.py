@@ -3,16 +3,19 @@ families' proxies, beside this machine's large-matmul rate measured in the same 
 
     python -m study cpu-step [steps=N] [rounds=R] [profile=1]
 
-Each round times the 2048^3 f32 matmul and then every size, so every ratio is one round's; the
-spread over rounds is the machine's noise (shared cores move every figure). nanoGPT's size runs
+Each size runs in a process of its own, as a training run holds one model; there each round
+times the 2048^3 f32 matmul and then the step, so every ratio is one round's; the spread over
+rounds is the machine's noise (shared cores move every figure). nanoGPT's size runs
 `steps` steps a round, a proxy as many as take the same FLOPs (at least 3: a proxy step does
 ~15x the FLOPs). "step" is the compiled step alone, the state donated; "loop" adds what the
 trainer's loop does on the host each step (the next batch made and transferred, the metrics
 fetched as floats)."""
 
 import dataclasses
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import jax
 
@@ -88,36 +91,51 @@ def options_of(argv: list[str]) -> dict:
     return found
 
 
+def measured(what: tuple[str, list[str]], rounds: int, steps: int, flops: float,
+             profile: bool) -> dict:
+    """One size in a process of its own, as a training run holds one model (beside other
+    models' steps and states, a step ran slower: docs/runs.md): `rounds` of the matmul's rate
+    then the step's medians over `steps` steps, or as many as take `flops` (at least 3); with
+    `profile`, where its step goes."""
+    backend.keep_freed_memory()  # as a training run does (train.py), before JAX's client starts
+    size = prepared(*what)
+    steps = max(3, round(flops / size.flops)) if flops else steps
+    found = {"flops": size.flops, "ceiling": [], "step": [], "loop": [],
+             "about": f"{header.model_line(size.setup.model)}; batch "
+                      f"{size.setup.run.per_device_batch} x {size.setup.run.seq}, preset "
+                      f"{size.setup.run.preset}, {size.flops / 1e9:.2f} GFLOP/step"}
+    for _ in range(rounds):
+        found["ceiling"].append(matmul_ceiling())
+        for mode in ("step", "loop"):
+            found[mode].append(size.time(steps, mode == "loop"))
+    found["profile"] = profiled(size, steps) if profile else []
+    return found
+
+
 def main(argv: list[str]) -> int:
     options = options_of(argv)
-    backend.keep_freed_memory()  # as a training run does (train.py), before JAX's client starts
-    sizes = {label: prepared(*what) for label, what in SIZES.items()}
-    nanogpt = sizes["nanogpt"]
-    ceilings, times = [], {(label, m): [] for label in sizes for m in ("step", "loop")}
-    for _ in range(options["rounds"]):
-        ceilings.append(matmul_ceiling())
-        for label, size in sizes.items():
-            steps = max(3, round(options["steps"] * nanogpt.flops / size.flops))
-            for mode in ("step", "loop"):
-                times[label, mode].append(size.time(steps, mode == "loop"))
-    print(f"CPU step on 1 {jax.default_backend()} device; {options['rounds']} rounds, "
-          f"{options['steps']} steps at nanoGPT's size (medians; min-max over rounds)")
-    print(f"ceiling: 2048^3 f32 matmul {statistics.median(ceilings) / 1e9:.1f} GFLOP/s "
-          f"({min(ceilings) / 1e9:.1f}-{max(ceilings) / 1e9:.1f})")
-    for label, size in sizes.items():
-        run = size.setup.run
-        print(f"{label}: {header.model_line(size.setup.model)}; batch {run.per_device_batch} x "
-              f"{run.seq}, preset {run.preset}, {size.flops / 1e9:.2f} GFLOP/step")
+    sizes, flops = {}, 0.0
+    for label, what in SIZES.items():  # nanoGPT's size first: its steps' FLOPs set the others'
+        with ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) as alone:
+            sizes[label] = alone.submit(measured, what, options["rounds"], options["steps"],
+                                        flops, label == "nanogpt" and options["profile"]).result()
+        flops = flops or options["steps"] * sizes["nanogpt"]["flops"]
+    print(f"CPU step on 1 {jax.default_backend()} device, each size in a process of its own; "
+          f"{options['rounds']} rounds, {options['steps']} steps at nanoGPT's size (medians; "
+          "min-max over rounds; each round the 2048^3 f32 matmul's rate, then the step)")
+    for label, found in sizes.items():
+        ceilings = found["ceiling"]
+        print(f"{label}: {found['about']}\n  ceiling: {statistics.median(ceilings) / 1e9:.1f} "
+              f"GFLOP/s ({min(ceilings) / 1e9:.1f}-{max(ceilings) / 1e9:.1f})")
         for mode in ("step", "loop"):
-            seconds = times[label, mode]
-            rates = [size.flops / s / c for s, c in zip(seconds, ceilings)]
+            seconds, rate = found[mode], found["flops"] / statistics.median(found[mode])
+            shares = [found["flops"] / s / c for s, c in zip(seconds, ceilings)]
             print(f"  {mode}: {statistics.median(seconds) * 1e3:7.1f} ms "
-                  f"({min(seconds) * 1e3:.1f}-{max(seconds) * 1e3:.1f}), "
-                  f"{size.flops / statistics.median(seconds) / 1e9:6.1f} GFLOP/s, "
-                  f"{statistics.median(rates):.0%} of the ceiling "
-                  f"({min(rates):.0%}-{max(rates):.0%})")
+                  f"({min(seconds) * 1e3:.1f}-{max(seconds) * 1e3:.1f}), {rate / 1e9:6.1f} "
+                  f"GFLOP/s, {statistics.median(shares):.0%} of the ceiling "
+                  f"({min(shares):.0%}-{max(shares):.0%})")
     if options["profile"]:
-        print("\n".join(profiled(nanogpt, options["steps"])))
+        print("\n".join(sizes["nanogpt"]["profile"]))
     return 0
 
 
