@@ -87,19 +87,20 @@ def _rope(x, cos, sin, interleave: bool):
     return apply_rope(x, cos, sin)
 
 
-def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention: str = "xla"):
+def mla(x, w, cfg: DeepSeekConfig, cos, sin, options: ForwardOptions = ForwardOptions()):
     """Multi-head latent attention as the reference computes it: [B, T, D] -> [B, T, D]."""
+    rules, flat = options.rules, options.flat_products
     if cfg.q_lora_rank is None:
-        q = einsum("btd,dnh->btnh", x, w["wq"])
+        q = einsum("btd,dnh->btnh", x, w["wq"], flat)
     else:
-        q_latent = checkpoint_name(einsum("btd,dr->btr", x, w["wq_a"]), "query_wa_proj")
+        q_latent = checkpoint_name(einsum("btd,dr->btr", x, w["wq_a"], flat), "query_wa_proj")
         q_latent = checkpoint_name(rms_norm(q_latent, w["q_norm"], LATENT_NORM_EPS), "mla_q")
-        q = einsum("btr,rnh->btnh", q_latent, w["wq_b"])
+        q = einsum("btr,rnh->btnh", q_latent, w["wq_b"], flat)
     q_nope, q_rope = jnp.split(q, [cfg.qk_nope_dim], axis=-1)
-    kv_a = checkpoint_name(einsum("btd,dr->btr", x, w["wkv_a"]), "kv_wa_proj")
+    kv_a = checkpoint_name(einsum("btd,dr->btr", x, w["wkv_a"], flat), "kv_wa_proj")
     kv_latent, k_rope = jnp.split(kv_a, [cfg.kv_lora_rank], axis=-1)
     kv_latent = checkpoint_name(rms_norm(kv_latent, w["kv_norm"], LATENT_NORM_EPS), "mla_kv")
-    k_nope, v = jnp.split(einsum("btr,rnh->btnh", kv_latent, w["wkv_b"]),
+    k_nope, v = jnp.split(einsum("btr,rnh->btnh", kv_latent, w["wkv_b"], flat),
                           [cfg.qk_nope_dim], axis=-1)
     q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
     k_rope = _rope(k_rope[:, :, None, :], cos, sin, cfg.rope_interleave)  # one head, shared
@@ -109,9 +110,9 @@ def mla(x, w, cfg: DeepSeekConfig, cos, sin, rules: AxisRules | None, attention:
     v = checkpoint_name(v, "value_proj")
     q = constrain(q, rules, ("batch", "seq", "heads", "head_dim"))
     k = constrain(k, rules, ("batch", "seq", "heads", "head_dim"))
-    attended = checkpoint_name(causal_attention(q, k, v, softmax_scale(cfg), attention),
+    attended = checkpoint_name(causal_attention(q, k, v, softmax_scale(cfg), options.attention),
                                "attention_out")
-    return checkpoint_name(einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
+    return checkpoint_name(einsum("btnh,nhd->btd", attended, w["wo"], flat), "out_proj")
 
 
 def route(x, router, bias, cfg: DeepSeekConfig):
@@ -179,48 +180,50 @@ def _per_device(routed, rules: AxisRules):
                          out_specs=(batch,) + (PartitionSpec(),) * 3)
 
 
-def moe(x, w, cfg: DeepSeekConfig, expert_path: str, rules: AxisRules | None = None,
-        parallel: ExpertParallel | None = None):
-    """Routed experts + shared experts on [B, T, D]; also each expert's token count [E], the
-    balance term and each expert's (token, expert) pairs dropped for lack of room [E]."""
+def moe(x, w, cfg: DeepSeekConfig, options: ForwardOptions = ForwardOptions()):
+    """Routed experts (`options`' path and expert parallelism) + shared experts on [B, T, D];
+    also each expert's token count [E], the balance term and each expert's (token, expert)
+    pairs dropped for lack of room [E]."""
+    rules, parallel = options.rules, options.expert_parallel
     axis = rules.spec(("exchange",))[0] if rules is not None else None
     if parallel is not None and rules is not None and not isinstance(axis, str):
         raise ValueError("expert parallelism needs the exchange axis on one mesh axis")
-    routed = partial(_routed, cfg=cfg, expert_path=expert_path, parallel=parallel, axis=axis)
+    routed = partial(_routed, cfg=cfg, expert_path=options.experts, parallel=parallel,
+                     axis=axis)
     if rules is not None:
         routed = _per_device(routed, rules)
     experts = {k: w[k] for k in ("router", "router_bias", *EXPERT_WEIGHTS)}
     out, load, balance, dropped = routed(x, experts)
-    return out + swiglu(x, w), {"expert_load": load, "balance_loss": balance,
-                                "expert_dropped": dropped}
+    shared = swiglu(x, w, options.flat_products)
+    return out + shared, {"expert_load": load, "balance_loss": balance, "expert_dropped": dropped}
 
 
-def attention_block(x, w, cfg: DeepSeekConfig, cos, sin, rules, attention: str):
+def attention_block(x, w, cfg: DeepSeekConfig, cos, sin, options: ForwardOptions):
     """A layer's first half, x [B, T, D] -> x + MLA(norm(x))."""
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        return constrain(x + mla(h, w, cfg, cos, sin, rules, attention), rules,
+        return constrain(x + mla(h, w, cfg, cos, sin, options), options.rules,
                          ("batch", "seq", None))
 
 
-def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention: str = "xla"):
+def dense_block(x, w, cfg: DeepSeekConfig, cos, sin, options: ForwardOptions = ForwardOptions()):
     """One dense layer, x [B, T, D] -> x': MLA, then a SwiGLU."""
-    x = attention_block(x, w, cfg, cos, sin, rules, attention)
+    x = attention_block(x, w, cfg, cos, sin, options)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-        return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
+        return constrain(x + swiglu(h, w, options.flat_products), options.rules,
+                         ("batch", "seq", None))
 
 
-def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, rules=None, attention: str = "xla",
-              experts: str = "sorted", parallel: ExpertParallel | None = None):
+def moe_block(x, w, cfg: DeepSeekConfig, cos, sin, options: ForwardOptions = ForwardOptions()):
     """One MoE layer, x [B, T, D] -> (x', stats): MLA, then the routed and shared experts
     (`moe`: its statistics)."""
-    x = attention_block(x, w, cfg, cos, sin, rules, attention)
+    x = attention_block(x, w, cfg, cos, sin, options)
     with jax.named_scope("moe"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-        out, stats = moe(h, w, cfg, experts, rules, parallel)
-        return constrain(x + out, rules, ("batch", "seq", None)), stats
+        out, stats = moe(h, w, cfg, options)
+        return constrain(x + out, options.rules, ("batch", "seq", None)), stats
 
 
 def rope_for(cfg: DeepSeekConfig, seq_len: int, dtype):
@@ -244,14 +247,13 @@ def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None
     def dense_layer(x, inputs):
         w, layer_key = inputs
         w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
-        return dense_block(x, w, cfg, cos, sin, rules, options.attention), None
+        return dense_block(x, w, cfg, cos, sin, options), None
 
     def moe_layer(x, inputs):
         w, layer_key = inputs
         router = {k: w[k] for k in ("router", "router_bias")}  # fp32, as the reference routes
         w = {**layer_weights(w, dtype, quantization, UNQUANTIZED, layer_key, rules), **router}
-        return moe_block(x, w, cfg, cos, sin, rules, options.attention, options.experts,
-                         options.expert_parallel)
+        return moe_block(x, w, cfg, cos, sin, options)
 
     keys = layer_keys(key, quantization, cfg.n_layers)
     n_dense = cfg.n_dense_layers

@@ -2,7 +2,6 @@
 recipe (`NVFP4BlockScaling`, see `matmul`) or its forward alone; rules, sources: docs/model.md."""
 
 import dataclasses
-import math
 from functools import partial
 
 import jax
@@ -149,21 +148,3 @@ def _backward(recipe, gathered, residuals, dy):
 
 
 matmul.defvjp(_forward, _backward)
-
-
-def einsum(subscripts: str, x: jax.Array, w: jax.Array, key: jax.Array, recipe: Quantization,
-           gathered=None) -> jax.Array:
-    """A layer matrix's einsum through `matmul`: x's leading letters are tokens, its trailing
-    ones the contraction, which leads w ("btd,dnh->btnh", "btnh,nhd->btd"); blocks run along
-    the flattened contraction (within a head for "btnh,nhd->btd")."""
-    inputs, out = subscripts.replace(" ", "").split("->")
-    xs, ws = inputs.split(",")
-    contract = "".join(c for c in xs if c in ws)
-    tokens, free = xs[:len(xs) - len(contract)], ws[len(contract):]
-    if (xs, ws, out) != (tokens + contract, contract + free, tokens + free):
-        raise ValueError(f"{subscripts!r}: an NVFP4 layer matrix takes x's trailing letters "
-                         "as w's leading ones, the output x's tokens then w's rest")
-    k = math.prod(w.shape[:len(contract)])
-    # w in x's dtype (the compute dtype): its gradient comes back in it.
-    y = matmul(x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype), key, recipe, gathered)
-    return y.reshape(x.shape[:len(tokens)] + w.shape[len(contract):])

@@ -102,10 +102,31 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float | No
     return out[..., : out.shape[-1] - pad] if pad else out
 
 
-def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
-    if not isinstance(w, quant.NVFP4Weight):
+def einsum(subscripts: str, x: jax.Array, w, flat: bool = False) -> jax.Array:
+    """A layer matrix's product, x's trailing letters leading w ("btd,dnh->btnh",
+    "btnh,nhd->btd"): as written, or as one 2-D [tokens, in] x [in, out] product, the same
+    sums, where `flat` or w is NVFP4-marked (its blocks then run along the flattened
+    contraction, within a head for "btnh,nhd->btd"). Flat, XLA's CPU backend gives the weight
+    gradient's product its operands as they lie, as for `unembed`, where for the einsum it
+    writes each activation gradient again, transposed (docs/runs.md: what a CPU step costs);
+    on a GPU it moves the schedule, so only CPU programs ask for it."""
+    nvfp4 = isinstance(w, quant.NVFP4Weight)
+    if not (flat or nvfp4):
         return jnp.einsum(subscripts, x, w)
-    return fp4.einsum(subscripts, x, w.value, w.key, w.quantization, w.gathered)
+    inputs, out = subscripts.split("->")
+    xs, ws = inputs.split(",")
+    n = sum(letter in ws for letter in xs)  # the contraction: x's last n axes, w's first n
+    if xs[len(xs) - n:] != ws[:n] or out != xs[:len(xs) - n] + ws[n:]:
+        raise ValueError(f"{subscripts!r}: a layer matrix takes x's trailing letters as w's "
+                         "leading ones, the output x's tokens then w's rest")
+    value = w.value if nvfp4 else w
+    k = math.prod(value.shape[:n])
+    x2, w2 = x.reshape(-1, k), value.reshape(k, -1)
+    if nvfp4:  # w in x's dtype (the compute dtype): its gradient comes back in it
+        product = fp4.matmul(x2, w2.astype(x.dtype), w.key, w.quantization, w.gathered)
+    else:
+        product = jnp.dot(x2, w2)
+    return product.reshape(*x.shape[:x.ndim - n], *value.shape[n:])
 
 
 def scan_layers(layer, x, stacked, options, name: str):
@@ -137,8 +158,10 @@ def swiglu_specs(d_model: int, d_ff: int) -> dict:
             "w_down": ParamSpec((d_ff, d_model), ("mlp", "embed"), d_ff**-0.5)}
 
 
-def swiglu(h: jax.Array, w: dict) -> jax.Array:
-    """The SwiGLU MLP down(silu(gate(h)) * up(h)), [B, T, D] -> [B, T, D], tagged."""
-    gate = checkpoint_name(einsum("btd,df->btf", h, w["w_gate"]), "mlpwi_0")
-    up = checkpoint_name(einsum("btd,df->btf", h, w["w_up"]), "mlpwi_1")
-    return checkpoint_name(einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"]), "mlpwo")
+def swiglu(h: jax.Array, w: dict, flat: bool = False) -> jax.Array:
+    """The SwiGLU MLP down(silu(gate(h)) * up(h)), [B, T, D] -> [B, T, D], tagged; `flat`:
+    `einsum`'s."""
+    gate = checkpoint_name(einsum("btd,df->btf", h, w["w_gate"], flat), "mlpwi_0")
+    up = checkpoint_name(einsum("btd,df->btf", h, w["w_up"], flat), "mlpwi_1")
+    return checkpoint_name(einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"], flat),
+                           "mlpwo")

@@ -12,7 +12,7 @@ from model.layers import (apply_rope, causal_attention, einsum, rms_norm, rope_f
 from model.options import ForwardOptions
 from model.params import ParamSpec, param_count, stack
 from model.quant import layer_keys, layer_weights
-from model.sharding import AxisRules, constrain
+from model.sharding import constrain
 
 CONFIG = LlamaConfig
 # The layer scan (named as its parameter subtree and its named_scope) and its tags in layer
@@ -37,28 +37,29 @@ def param_specs(cfg: LlamaConfig) -> dict:
             "lm_head": ParamSpec((D, V), ("embed", "vocab"), D**-0.5)}
 
 
-def block(x, w, cfg: LlamaConfig, cos, sin, rules: AxisRules | None = None,
-          attention: str = "xla"):
-    """One decoder layer: x [B, T, D] -> [B, T, D]. `w` holds this layer's weights."""
+def block(x, w, cfg: LlamaConfig, cos, sin, options: ForwardOptions = ForwardOptions()):
+    """One decoder layer: x [B, T, D] -> [B, T, D]. `w` holds this layer's weights; `options`
+    give its axis rules, attention kernel and products."""
+    rules, flat = options.rules, options.flat_products
     x = checkpoint_name(x, "decoder_layer_input")
     with jax.named_scope("attention"):
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        q = einsum("btd,dnh->btnh", h, w["wq"])
-        k = einsum("btd,dkh->btkh", h, w["wk"])
-        v = einsum("btd,dkh->btkh", h, w["wv"])
+        q = einsum("btd,dnh->btnh", h, w["wq"], flat)
+        k = einsum("btd,dkh->btkh", h, w["wk"], flat)
+        v = einsum("btd,dkh->btkh", h, w["wv"], flat)
         q = checkpoint_name(apply_rope(q, cos, sin), "query_proj")
         k = checkpoint_name(apply_rope(k, cos, sin), "key_proj")
         v = checkpoint_name(v, "value_proj")
         q = constrain(q, rules, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, rules, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, rules, ("batch", "seq", "kv_heads", "head_dim"))
-        attended = checkpoint_name(causal_attention(q, k, v, implementation=attention),
+        attended = checkpoint_name(causal_attention(q, k, v, implementation=options.attention),
                                    "attention_out")
-        out = checkpoint_name(einsum("btnh,nhd->btd", attended, w["wo"]), "out_proj")
+        out = checkpoint_name(einsum("btnh,nhd->btd", attended, w["wo"], flat), "out_proj")
         x = constrain(x + out, rules, ("batch", "seq", None))
     with jax.named_scope("mlp"):
         h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-        return constrain(x + swiglu(h, w), rules, ("batch", "seq", None))
+        return constrain(x + swiglu(h, w, flat), rules, ("batch", "seq", None))
 
 
 def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
@@ -75,7 +76,7 @@ def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
     def layer(x, inputs):
         w, layer_key = inputs
         w = layer_weights(w, dtype, quantization, key=layer_key, rules=rules)
-        return block(x, w, cfg, cos, sin, rules, options.attention), None
+        return block(x, w, cfg, cos, sin, options), None
 
     keys = layer_keys(key, quantization, cfg.n_layers)
     x, _ = scan_layers(layer, x, (params["layers"], keys), options, "layers")

@@ -22,6 +22,7 @@ class ForwardOptions:
     experts: str = "sorted"  # routed experts without an expert axis: model/experts.py's paths
     expert_parallel: ExpertParallel | None = None  # routed experts split over an expert axis
     unrolled: bool = False  # layer scans unrolled in the compiled program (short ones on CPUs)
+    flat_products: bool = False  # weight products as 2-D dots (CPUs: layers.einsum says why)
 
     def policy(self, scan: str) -> Callable | None:
         """The checkpoint policy of each layer of `scan` (None: no checkpointing)."""

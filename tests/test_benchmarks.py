@@ -1,5 +1,5 @@
 """What the CPU can check of the GPU script: its comparison, measured and replayed, and its
-gradient check; the compile table."""
+gradient check; the compile table; the CPU step's profile's thread count."""
 
 import re
 
@@ -7,6 +7,7 @@ import pytest
 
 import configs
 from study.__main__ import main as study_main
+from study.bench import cpu_profile
 
 
 def test_gpu_check_measures_each_row_in_its_own_process_and_checks_the_gradients(
@@ -33,3 +34,10 @@ def test_the_compile_table_compiles_a_row(capsys):
     row = capsys.readouterr().out.splitlines()[-1].split(" | ")
     assert row[0] == "| llama8b-offload" and row[9] == "fits"
     assert float(row[7]) == float(row[8]) > 0  # compiled host bytes equal the plan's
+
+
+def test_the_profile_counts_the_time_each_number_of_threads_is_busy():
+    # Thread 0 runs 0-12 (two overlapping events), 20-30 and 40-50; thread 1 runs 8-25. By hand:
+    # none 30-40 (10), one 0-8, 12-20, 25-30, 40-50 (31), both 8-12, 20-25 (9), of 50.
+    threads = [[(20, 30), (0, 10), (5, 12), (40, 50)], [(8, 25)]]
+    assert cpu_profile.busy_shares(threads) == pytest.approx([10 / 50, 31 / 50, 9 / 50])

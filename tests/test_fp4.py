@@ -14,7 +14,7 @@ import nvfp4_reference as ref
 
 from configs import RunConfig
 from conftest import one_device_params, tokens
-from model import fp4, quant
+from model import fp4, layers, quant
 from model.options import ForwardOptions
 from model.config import LlamaConfig
 from trainer.step import make_optimizer, train_step
@@ -246,22 +246,27 @@ def test_each_step_layer_matrix_and_gemm_rounds_with_bits_of_its_own(monkeypatch
     assert all(np.unique(b).size == b.size for b in first + second)
 
 
-def test_fp4_einsum_takes_the_models_subscripts():
-    """The model's layer einsums flatten to [M, K] x [K, N]: the same output as the 2-D
-    product of the flattened operands."""
+def test_a_layer_matrix_product_flattened_is_the_einsum():
+    """The model's layer einsums as one [M, K] x [K, N] product: flat, the float64 einsum's
+    values to f32 rounding; NVFP4-marked, the same output as `fp4.matmul` of the flattened
+    operands, bit for bit."""
     rng = np.random.default_rng(6)
     key = jax.random.key(0)
     cases = [("btd,dnh->btnh", (2, 8, 32), (32, 4, 16)), ("btnh,nhd->btd", (2, 8, 4, 16),
                                                           (4, 16, 48))]
     for subscripts, x_shape, w_shape in cases:
         x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+        flat = layers.einsum(subscripts, jnp.asarray(x, jnp.float32),
+                             jnp.asarray(w, jnp.float32), flat=True)
+        # each output sums K = 32 or 64 f32 products of unit normals: ~1e-6 of an output's ~6
+        np.testing.assert_allclose(flat, np.einsum(subscripts, x, w), rtol=0, atol=2e-5)
         x, w = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
-        got = fp4.einsum(subscripts, x, w, key, FP4)
+        got = layers.einsum(subscripts, x, quant.NVFP4Weight(w, key, FP4))
         k = int(np.prod(w_shape[:len(subscripts.split(",")[0]) - 2]))
-        flat = fp4.matmul(x.reshape(16, k), w.reshape(k, -1), key, FP4)
-        np.testing.assert_array_equal(got.reshape(16, -1), flat)
+        np.testing.assert_array_equal(got.reshape(16, -1),
+                                      fp4.matmul(x.reshape(16, k), w.reshape(k, -1), key, FP4))
     with pytest.raises(ValueError, match="trailing letters"):
-        fp4.einsum("btd,nd->btn", jnp.ones((2, 8, 32)), jnp.ones((4, 32)), key, FP4)
+        layers.einsum("btd,nd->btn", jnp.ones((2, 8, 32)), jnp.ones((4, 32)), flat=True)
     with pytest.raises(quant.QuantError, match="blocks of 16"):
         fp4.matmul(jnp.ones((24, 32)), jnp.ones((32, 16)), key, FP4)
 

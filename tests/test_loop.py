@@ -1,10 +1,12 @@
 """The training loop's schedule, read off a loop driven by stand-ins (no JAX program): when it
 evaluates, what a step's time holds, what stops it; the evaluation's own number, a DeepSeek
-model's cross-entropy; a resume on other data refused (train.py loop, trainer/program.py)."""
+model's cross-entropy; a resume on other data refused (train.py loop, trainer/program.py);
+what a CPU step does with its memory and its products' operands."""
 
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from configs import MeshConfig, RunConfig
 from conftest import TINY_DEEPSEEK
 from model import deepseek
 from runtime import checkpoints, report
+from runtime import setup as runtime_setup
 from trainer.program import Program
 from trainer.target import Target
 
@@ -147,3 +150,25 @@ def test_a_cpu_step_reuses_the_memory_its_last_step_freed():
                             cwd=Path(__file__).resolve().parent.parent)
     pages, faults = map(float, result.stdout.split())
     assert faults < pages / 2, result.stdout
+
+
+def test_a_cpu_step_lays_no_activation_gradient_out_again_for_its_weight_gradients():
+    """On a CPU the trainer multiplies the layer matrices as 2-D dots (`flat_products`,
+    layers.einsum): in its compiled step no instruction writes a [features, tokens] matrix
+    (an activation gradient laid out again, transposed, for a weight gradient's product). The
+    same step with einsums, as a GPU's is written, has such a copy for each of them."""
+    one = Target("cpu", devices=tuple(jax.devices()[:1]))
+    setup = runtime_setup.resolve("shakespeare", [
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
+        "model.head_dim=32", "model.d_ff=160", "seq=24", "per_device_batch=4", "global_batch=0",
+        "preset=none", "data.path=", "eval_every=0"], one.devices)
+    tokens = setup.run.per_device_batch * setup.run.seq  # 96: no layer's width
+    written = {}
+    for flat in (True, False):
+        program = Program(setup.model, setup.run, setup.placement, one)
+        assert program.options.flat_products
+        program.options = dataclasses.replace(program.options, flat_products=flat)
+        text = program.compile_run().as_text()
+        written[flat] = re.findall(rf"= f32\[(\d+),{tokens}\]\{{1,0\}} (?:fusion|copy|transpose)",
+                                   text[text.index("ENTRY"):])
+    assert written[True] == [] and len(written[False]) >= 2 * setup.model.n_layers, written

@@ -253,16 +253,18 @@ DEEPSEEK_MATRICES = {"wq_a": "btd,dr->btr", "wq_b": "btr,rnh->btnh", "wkv_a": "b
 
 
 def nvfp4_products(monkeypatch, family, cfg) -> list[tuple[str, tuple]]:
-    """(subscripts, weight shape) of every product fp4.einsum takes in one forward."""
-    from model import fp4
+    """(subscripts, weight shape) of every product of an NVFP4-marked weight in one forward."""
+    from model import layers
     calls = []
-    original = fp4.einsum
+    original = layers.einsum
 
     def recording(subscripts, x, w, *args):
-        calls.append((subscripts, w.shape))
+        if isinstance(w, quant.NVFP4Weight):
+            calls.append((subscripts, w.value.shape))
         return original(subscripts, x, w, *args)
 
-    monkeypatch.setattr(fp4, "einsum", recording)
+    for module in (layers, family):  # the family's blocks and layers.swiglu call it
+        monkeypatch.setattr(module, "einsum", recording)
     specs = family.param_specs(cfg)
     params = abstract_params(specs)
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)

@@ -110,8 +110,8 @@ def test_expert_blocks_drop_exactly_the_pairs_beyond_their_room(devices):
                          is_leaf=lambda s: isinstance(s, ParamSpec))
     rules = AxisRules(mesh=make_mesh((1, devices), ("fsdp", "expert")))
     parallel = deepseek.ExpertParallel(devices, capacity)
-    out, stats = jax.jit(partial(deepseek.moe, cfg=cfg, expert_path="dense", rules=rules,
-                                 parallel=parallel))(x, layer)
+    options = ForwardOptions(rules=rules, experts="dense", expert_parallel=parallel)
+    out, stats = jax.jit(partial(deepseek.moe, cfg=cfg, options=options))(x, layer)
     weights, experts, _ = deepseek.route(x.reshape(-1, cfg.d_model), layer["router"],
                                          layer["router_bias"], cfg)
     weights = np.asarray(weights).reshape(devices, tokens, -1)

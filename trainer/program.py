@@ -56,7 +56,8 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
     unrolled = (target.platform == "cpu" and run.scale != "fit" and run.quant == "none"
                 and model.n_layers <= UNROLLED_LAYERS)
     return ForwardOptions(run.compute_dtype, policies, rules, attention,
-                          quantization(run, target), experts, parallel, unrolled)
+                          quantization(run, target), experts, parallel, unrolled,
+                          flat_products=target.platform == "cpu")
 
 
 def abstract_state(model, run: RunConfig, rules: AxisRules, optimizer):

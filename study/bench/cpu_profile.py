@@ -28,22 +28,47 @@ def kind_of(name: str, line: str) -> str:
     return "elementwise and reductions"
 
 
-def thunk_seconds(run_steps, steps: int) -> tuple[collections.Counter, float]:
+def busy_shares(threads: list[list[tuple[int, int]]]) -> list[float]:
+    """The share of the time from the first (start, end) to the last during which 0, 1, ...
+    len(threads) of the threads run something (each thread's intervals merged first)."""
+    edges = []
+    for intervals in threads:
+        merged = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        edges += [(start, 1) for start, _ in merged] + [(end, -1) for _, end in merged]
+    edges.sort()
+    time_with = [0] * (len(threads) + 1)
+    running, last = 0, edges[0][0]
+    for at, change in edges:
+        time_with[running] += at - last
+        running, last = running + change, at
+    return [t / (last - edges[0][0]) for t in time_with]
+
+
+def thunk_seconds(run_steps, steps: int) -> tuple[collections.Counter, float, list[float]]:
     """Seconds per step of each instruction on XLA's CPU threads while `run_steps()` runs its
-    `steps` steps, and what it returns (a step's wall time)."""
+    `steps` steps, what it returns (a step's wall time), and the shares of that time in which
+    none, one, ... of those threads ran an instruction."""
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
             wall = run_steps()
         profile = jax.profiler.ProfileData.from_file(
             str(next(Path(folder).rglob("*.xplane.pb"))))
-    found = collections.Counter()
+    found, threads = collections.Counter(), []
     for plane in profile.planes:
         for line in plane.lines:
             if line.name.startswith("tf_XLAEigen"):  # the pool that runs the thunks
-                for event in line.events:
-                    if not event.name.startswith(("ThunkExecutor", "Slinky", "Threadpool")):
+                threads.append([])
+                for event in line.events:  # the runtime's own events, and a thunk's end marker
+                    if not event.name.startswith(("ThunkExecutor", "Slinky", "Threadpool",
+                                                  "end: ")):
                         found[event.name] += event.duration_ns * 1e-9 / steps
-    return found, wall
+                        threads[-1].append((event.start_ns, event.start_ns + event.duration_ns))
+    return found, wall, busy_shares(threads)
 
 
 def lines(compiled, run_steps, steps: int, top: int = 8) -> list[str]:
@@ -51,13 +76,15 @@ def lines(compiled, run_steps, steps: int, top: int = 8) -> list[str]:
     times, beside the step's wall time it returns."""
     text = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*",
                                                         compiled.as_text())}
-    seconds, wall = thunk_seconds(run_steps, steps)
+    seconds, wall, shares = thunk_seconds(run_steps, steps)
     kinds = collections.Counter()
     for name, s in seconds.items():
         kinds[kind_of(name, text.get(name, ""))] += s
     total = sum(seconds.values())
     found = [f"profile: {wall * 1e3:.1f} ms per step (wall, traced); {total * 1e3:.1f} ms of "
              "instructions summed over XLA's CPU threads"]
+    found.append(f"  of the traced time, XLA's {len(shares) - 1} CPU threads ran instructions: "
+                 + ", ".join(f"{n} of them {share:.0%}" for n, share in enumerate(shares)))
     found += [f"  {kinds[k] * 1e3:7.1f} ms {kinds[k] / total:4.0%}  {k}" for k in KINDS]
     for name, s in seconds.most_common(top):
         where = re.search(r'op_name="([^"]*)"', text.get(name, ""))
