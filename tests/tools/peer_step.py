@@ -106,7 +106,8 @@ def median_seconds(call, times: int) -> float:
 
 
 def main() -> int:
-    steps, rounds = (int(a) for a in (sys.argv[1:] + ["30", "3"][len(sys.argv) - 1:])[:2])
+    given, defaults = sys.argv[1:3], ["30", "3"]  # steps, rounds
+    steps, rounds = map(int, given + defaults[len(given):])
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     steppers = {name: stepper(name) for name in ("nanoGPT", "Llama (transformers)")}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} rounds of "
