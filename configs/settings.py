@@ -111,6 +111,9 @@ class RunConfig:
                                  shown="dtypes")
     param_dtype: str = setting("float32", ("float32", "bfloat16"), resume="same", shown="dtypes")
     optimizer_state: str = setting("device", ("device", "host"), shown="placement")
+    # The layer scans' FP32 weights and gradients in pinned host memory, a layer at a time on
+    # the device (offload/state.py); the embedding, final norm and LM head stay on the device.
+    parameters: str = setting("device", ("device", "host"), shown="placement")
     mesh: MeshConfig = setting(MeshConfig(), shown="devices")
     # A named placement (offload/activations.py); none: no checkpointing; auto: the fastest
     # that fits this machine, each candidate compiled and timed for auto_steps steps.

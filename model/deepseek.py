@@ -258,9 +258,9 @@ def trunk(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions, key=None
     keys = layer_keys(key, quantization, cfg.n_layers)
     n_dense = cfg.n_dense_layers
     dense_keys, moe_keys = (None, None) if keys is None else (keys[:n_dense], keys[n_dense:])
-    x, _ = scan_layers(dense_layer, x, (params["dense_layers"], dense_keys), options,
+    x, _ = scan_layers(dense_layer, x, params["dense_layers"], dense_keys, options,
                        "dense_layers")
-    return scan_layers(moe_layer, x, (params["moe_layers"], moe_keys), options, "moe_layers")
+    return scan_layers(moe_layer, x, params["moe_layers"], moe_keys, options, "moe_layers")
 
 
 def forward(params, tokens, cfg: DeepSeekConfig, options: ForwardOptions = ForwardOptions()):

@@ -129,16 +129,50 @@ def einsum(subscripts: str, x: jax.Array, w, flat: bool = False) -> jax.Array:
     return product.reshape(*x.shape[:x.ndim - n], *value.shape[n:])
 
 
-def scan_layers(layer, x, stacked, options, name: str):
-    """Run `layer(x, w) -> (x, out)` over weights stacked on a leading layer axis, each layer
-    under `jax.checkpoint` with the scan's policy in `options` (none: no checkpointing),
-    unrolled where they say, in a named scope that traces, profiles and placement reports use
-    to tell the scans apart."""
+def scan_layers(layer, x, weights, keys, options, name: str):
+    """Run `layer(x, (w, key)) -> (x, out)` over `weights` (and the per-layer `keys`, or None)
+    stacked on a leading layer axis, each layer under `jax.checkpoint` with the scan's policy
+    in `options` (none: no checkpointing), unrolled where they say, in a named scope that
+    traces, profiles and placement reports use to tell the scans apart. Weights in host memory
+    (`options.weights_on_host`) come to the device inside the checkpointed layer: in the
+    forward pass and again when its backward pass recomputes it, so the device holds one
+    layer's; autodiff sends each layer's gradient back to host memory as it is made."""
     policy = options.policy(name)
+    if options.weights_on_host:
+        body = layer
+
+        def layer(x, inputs):
+            w, key = inputs
+            return body(x, (to_device(w), key))
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     with jax.named_scope(name):
-        return jax.lax.scan(layer, x, stacked, unroll=options.unrolled)
+        return jax.lax.scan(layer, x, (weights, keys), unroll=options.unrolled)
+
+
+WEIGHTS_SCOPE = "weights_from_host"  # the named scope of a layer's weights' moves
+
+
+@jax.custom_vjp
+def to_device(w):
+    """A layer's weights moved from host memory to the device; its gradient goes back to host
+    memory. (What `jax.device_put` does under autodiff, but for a weight without a gradient,
+    DeepSeek's router bias: JAX 0.12 makes its zero cotangent on the device, not in the host
+    memory its weight lies in, and refuses the step.)"""
+    with jax.named_scope(WEIGHTS_SCOPE):
+        return jax.device_put(w, jax.memory.Space.Device)
+
+
+def _to_device_forward(w):
+    return to_device(w), None
+
+
+def _to_device_backward(_, grads):
+    with jax.named_scope(WEIGHTS_SCOPE):
+        return (jax.device_put(grads, jax.memory.Space.Host),)
+
+
+to_device.defvjp(_to_device_forward, _to_device_backward)
 
 
 def unembed(x: jax.Array, norm: jax.Array, lm_head: jax.Array, eps: float):

@@ -79,7 +79,7 @@ def trunk(params, tokens, cfg: LlamaConfig, options: ForwardOptions, key=None):
         return block(x, w, cfg, cos, sin, options), None
 
     keys = layer_keys(key, quantization, cfg.n_layers)
-    x, _ = scan_layers(layer, x, (params["layers"], keys), options, "layers")
+    x, _ = scan_layers(layer, x, params["layers"], keys, options, "layers")
     return x, {}
 
 

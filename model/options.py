@@ -23,6 +23,7 @@ class ForwardOptions:
     expert_parallel: ExpertParallel | None = None  # routed experts split over an expert axis
     unrolled: bool = False  # layer scans unrolled in the compiled program (short ones on CPUs)
     flat_products: bool = False  # weight products as 2-D dots (CPUs: layers.einsum says why)
+    weights_on_host: bool = False  # layer scans' weights in host memory, fetched a layer at a time
 
     def policy(self, scan: str) -> Callable | None:
         """The checkpoint policy of each layer of `scan` (None: no checkpointing)."""

@@ -5,7 +5,7 @@ waits between the forward and the backward pass:
   device   kept in device memory;
   offload  copied to pinned host memory in the forward pass, streamed back for the backward;
   remat    not kept: recomputed in the backward pass from the layer's saved inputs.
-A tag it does not name is `remat`. The optimizer state's offload is optimizer_state.py."""
+A tag it does not name is `remat`. The state's offload (weights, optimizer state) is state.py."""
 
 from collections.abc import Mapping
 

@@ -18,22 +18,44 @@ from jax.experimental import multihost_utils
 from model import families
 from offload import activations
 from runtime.fit import Budget, FitError
-from runtime.own_program import CompiledMemory, offloaded, size_words, step_flops, tagged_in
+from runtime.own_program import (CompiledMemory, link_bytes, offloaded, size_words, step_flops,
+                                 tagged_in)
 from trainer.program import Program
 
 NEIGHBOURS = 4  # placements one tag away from the best-ranked preset, compiled and timed too
 
 
+STATE_PARTS = ("optimizer_state", "parameters")  # the state's parts a run may keep on host
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A placement to try: a preset and its tag changes (the run's own, then its own one)."""
+    """A placement to try: a preset and its tag changes (the run's own, then its own one), and
+    where the state's parts lie (`state`: each of STATE_PARTS, device or host)."""
     preset: str
     changes: tuple[tuple[str, str], ...]  # (placement.<key>, where), the run's first
     placement: dict | None  # resolved: scan -> {tag: where}; None: checkpointing off
+    state: tuple[tuple[str, str], ...] = ()  # (part, where); () : as the run has it
 
     @property
     def name(self) -> str:
-        return " ".join([self.preset, *(f"{k}={v}" for k, v in self.changes)])
+        on_host = [f"{part}=host" for part, where in self.state if where == "host"]
+        return " ".join([self.preset, *(f"{k}={v}" for k, v in self.changes), *on_host])
+
+
+def state_options(run, fixed: set[str]) -> list[tuple[tuple[str, str], ...]]:
+    """Where the state may lie in preset=auto's candidates: each part the run keeps in host
+    memory (a fit put it there, or the experiment) tried on the device too, unless the command
+    line set it (`fixed`); the run's own placement first. [()] where nothing is on host."""
+    free = [p for p in STATE_PARTS if getattr(run, p) == "host" and p not in fixed]
+    if not free:
+        return [()]
+    options = [tuple((p, getattr(run, p)) for p in STATE_PARTS)]
+    for moved in range(1, 2 ** len(free)):  # every subset of the free parts back on device
+        back = {p for i, p in enumerate(free) if moved >> i & 1}
+        options.append(tuple((p, "device" if p in back else getattr(run, p))
+                             for p in STATE_PARTS))
+    return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,30 +88,37 @@ class Choice:
         """auto.json, and what a checkpoint keeps of it."""
         return {"chosen": self.chosen.name, "preset": self.chosen.preset,
                 "changes": dict(self.chosen.changes), "placement": self.chosen.placement,
+                "state": dict(self.chosen.state),
                 "steps_timed": self.steps, "seconds": round(self.seconds, 3),
                 "budget": None if self.budget is None else {
                     "device": self.budget.device, "host": self.budget.host,
                     "device_words": self.budget.device_words,
                     "host_words": self.budget.host_words},
                 "candidates": [{"candidate": r.candidate.name, "placement": r.candidate.placement,
+                                "state": dict(r.candidate.state),
                                 "device_bytes": r.memory.device, "host_bytes": r.memory.host,
                                 "fits": r.fits, "median_step_s": r.seconds} for r in self.rows]}
 
 
-def presets(scan_tags: dict, fixed: dict) -> list[Candidate]:
-    """Every preset of the family (and no checkpointing, unless tags are fixed), the run's
-    `fixed` tag changes over each; placements that come out the same counted once."""
-    found, seen = [], []
-    names = [*activations.presets_for(scan_tags), *([] if fixed else [activations.NO_CHECKPOINT])]
-    for name in names:
-        try:
-            placement = (None if name == activations.NO_CHECKPOINT
-                         else activations.resolve(name, fixed, scan_tags))
-        except ValueError:  # a preset naming tags this family does not have
-            continue
-        if placement not in seen:
-            seen.append(placement)
-            found.append(Candidate(name, tuple(fixed.items()), placement))
+def presets(scan_tags: dict, fixed: dict, states=((),)) -> list[Candidate]:
+    """Every preset of the family (and no checkpointing, unless tags are fixed or weights are
+    on host: parameters=host needs a policy), the run's `fixed` tag changes over each, with
+    each of `states`; placements that come out the same counted once."""
+    found = []
+    for state in states:
+        seen = []
+        weights_on_host = ("parameters", "host") in state
+        names = [*activations.presets_for(scan_tags),
+                 *([] if fixed or weights_on_host else [activations.NO_CHECKPOINT])]
+        for name in names:
+            try:
+                placement = (None if name == activations.NO_CHECKPOINT
+                             else activations.resolve(name, fixed, scan_tags))
+            except ValueError:  # a preset naming tags this family does not have
+                continue
+            if placement not in seen:
+                seen.append(placement)
+                found.append(Candidate(name, tuple(fixed.items()), placement, state))
     return found
 
 
@@ -123,6 +152,7 @@ def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget
                 moves = [("device", 0.0, size)] if 0 < size <= room_device else []
             else:
                 kept = Program(program.model, program.run, changed, program.target).traced
+                # (program.run has best's state: the FLOPs do not depend on it)
                 saved = base - step_flops(kept.jaxpr, devices)
                 moves = [(w, saved, 0.0) for w, room in (("device", room_device),
                                                           ("offload", room_host))
@@ -130,29 +160,32 @@ def neighbours(best: Candidate, program: Program, memory: CompiledMemory, budget
             for to, saved, moved in moves:
                 placement = {**best.placement, scan: {**table, tag: to}}
                 scored.append(((saved, moved, to == "device"), Candidate(
-                    best.preset, (*best.changes, (f"{scan}.{tag}", to)), placement)))
+                    best.preset, (*best.changes, (f"{scan}.{tag}", to)), placement,
+                    best.state)))
     scored.sort(key=lambda s: s[0], reverse=True)
     return [candidate for _, candidate in scored[:NEIGHBOURS]]
 
 
 def compiled(setup, budget: Budget, measure: Callable, say: Callable[[str], None]
              ) -> tuple[list[Row], list[Program]]:
-    """Every candidate compiled (`measure(placement)` -> (CompiledMemory, Program)), a line
-    each as it is, and their programs: the presets, then the neighbours of the best-ranked
-    fitting preset by its traced step (the fewest FLOPs recomputed, then the fewest bytes moved
-    to host, then the least device memory). FitError where no preset fits, naming the smallest."""
+    """Every candidate compiled (`measure(candidate)` -> (CompiledMemory, Program)), a line
+    each as it is, and their programs: the presets with each place of the state
+    (`state_options`), then the neighbours of the best-ranked fitting one by its traced step
+    (the fewest FLOPs recomputed, then the fewest bytes moved over the host link, then the
+    least device memory). FitError where none fits, naming the smallest."""
     scan_tags, fixed = families.of(setup.model).SCANS, dict(setup.run.tag_changes)
+    said = {w.partition("=")[0] for w in setup.args}
     rows, programs = [], []
 
     def compile_(candidate: Candidate) -> None:
-        memory, program = measure(candidate.placement)
+        memory, program = measure(candidate)
         programs.append(program)
         rows.append(Row(candidate, memory, budget.fits(memory)))
         say(f"preset=auto: compiled {candidate.name}: {size_words(memory.device)} per device, "
             f"{size_words(memory.host)} in host memory: "
             f"{'fits' if rows[-1].fits else 'over the budget, not timed'}")
 
-    for candidate in presets(scan_tags, fixed):
+    for candidate in presets(scan_tags, fixed, state_options(setup.run, said)):
         compile_(candidate)
     if not any(r.fits for r in rows):
         smallest = min(rows, key=lambda r: budget.load(r.memory))
@@ -163,8 +196,7 @@ def compiled(setup, budget: Budget, measure: Callable, say: Callable[[str], None
 
     def rank(i: int):
         jaxpr = programs[i].traced.jaxpr
-        moved = sum(v.nbytes * v.count for sites in offloaded(jaxpr).values() for v in sites)
-        return step_flops(jaxpr, 1), moved, rows[i].memory.device
+        return step_flops(jaxpr, 1), sum(link_bytes(jaxpr, 1)), rows[i].memory.device
 
     best = min((i for i, r in enumerate(rows) if r.fits), key=rank)
     program, candidate = programs[best], rows[best].candidate
@@ -176,13 +208,16 @@ def compiled(setup, budget: Budget, measure: Callable, say: Callable[[str], None
 
 def step_seconds(programs: list[Program], tokens, steps: int) -> list[float]:
     """Each program's median step over `steps` steps after one warm-up, on one state (made
-    once, carried from program to program: the placement does not change its shape) and the
-    run's `tokens`. The programs take turns, a step each, so that what else the machine does
-    meanwhile falls on all of them alike."""
+    once, carried from program to program: the placement does not change its shape; moved,
+    untimed, where a program keeps a part of it in the other memory) and the run's `tokens`.
+    The programs take turns, a step each, so that what else the machine does meanwhile falls
+    on all of them alike."""
     state, batch = programs[0].init_state(), programs[0].batch(tokens)
     spent = [[] for _ in programs]
     for _ in range(steps + 1):  # the first round: each program's warm-up, not counted
         for program, times in zip(programs, spent):
+            state = jax.block_until_ready(jax.device_put(
+                state, jax.tree.map(lambda a: a.sharding, program.state_shapes)))
             started = time.perf_counter()
             state, metrics = program.step(state, batch)
             jax.block_until_ready(metrics)

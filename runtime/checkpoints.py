@@ -173,7 +173,8 @@ def recorded_choice(source: "Source") -> Choice | None:
     if not record:
         return None
     return Choice(Candidate(record["preset"], tuple(record["changes"].items()),
-                            record["placement"]), recorded=True)
+                            record["placement"], tuple(record.get("state", {}).items())),
+                  recorded=True)
 
 
 def check_outputs(model, run, run_prefix: str, batch_size: int) -> Source | None:

@@ -100,6 +100,8 @@ def reductions(words: dict[str, str], model) -> list[str]:
     said = []
     if words.get("optimizer_state") == "host":
         said.append("the optimizer state in host memory (optimizer_state=host)")
+    if words.get("parameters") == "host":
+        said.append("the layers' weights and gradients in host memory (parameters=host)")
     if (experts := int(words.get("model.n_experts", 0))) and experts != model.n_experts:
         said.append(f"routed experts {experts} of {model.n_experts} (top-k "
                     f"{model.experts_per_token} and expert width {model.moe_d_ff} kept)")
@@ -133,8 +135,9 @@ def knobs(model, run, fixed: set[str], shards: int, host_state: bool) -> list:
     """The reductions this run may take, in order, each as (its words per value, the values,
     ascending): those its command line set are not taken."""
     found = []
-    if host_state and run.optimizer_state == "device" and "optimizer_state" not in fixed:
-        found.append((lambda _: {"optimizer_state": "host"}, [1]))
+    for part in ("optimizer_state", "parameters"):  # the state to host memory, in this order
+        if host_state and getattr(run, part) == "device" and part not in fixed:
+            found.append((lambda _, part=part: {part: "host"}, [1]))
     if hasattr(model, "n_experts") and "model.n_experts" not in fixed:
         step = math.lcm(model.n_groups, shards)  # (experts are sharded over fsdp x expert)
         per_group = max(2, math.ceil(model.experts_per_token / model.topk_groups))

@@ -105,7 +105,8 @@ def _optimizer_words(setup) -> str:
 
 def _placement_words(setup) -> str:
     run, placement = setup.run, setup.placement
-    state = f"; optimizer state on {run.optimizer_state}"
+    state = (f"; optimizer state on {run.optimizer_state}, layers' weights on "
+             f"{run.parameters}")
     chosen = "" if setup.choice is None else setup.choice.words() + _INDENT
     if placement is None:
         return chosen + "none: no checkpointing, autodiff keeps every residual on device" + state
@@ -159,6 +160,9 @@ def lines(setup, program, readings, run_dir, first_step: int) -> list[str]:
         rows["memory"] += f" of JAX's {pool / GiB:.1f} GiB pool ({variable}={fraction:g})"
     if target.platform == "gpu":
         rows["memory"] += f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
+    if any(readings.link):
+        rows["memory"] += ("; over the host link per step {} to host, {} back (traced)"
+                           .format(*map(size_words, readings.link)))
     rows["compile"] = (f"{program.compile_s:.1f} s (the step"
                        + (" and the evaluation" if setup.run.eval_every else "")
                        + f"); model {readings.flops / 1e12:,.2f} TFLOP per device per step "

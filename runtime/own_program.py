@@ -80,6 +80,22 @@ def offloaded(jaxpr) -> dict[str, list[Tagged]]:
     return tagged_in(jaxpr, offloaded=True)
 
 
+def link_bytes(jaxpr, devices: int) -> tuple[float, float]:
+    """Per device, the bytes a traced step moves over the host link, (to host, to the device):
+    every `device_put` between the memories (offloaded activations, the state in host memory)
+    times its enclosing scans' lengths, a global shape's bytes shared by the `devices`."""
+    moved = {"host": 0.0, "device": 0.0}
+    for eqn, count, _, _ in walk(jaxpr):
+        if eqn.primitive.name != "device_put":
+            continue
+        for var, space in zip(eqn.invars, eqn.params["devices"]):
+            name = str(space).lower()
+            way = "host" if "host" in name else "device" if "device" in name else None
+            if way and way not in str(getattr(var.aval, "memory_space", "")).lower():
+                moved[way] += count * np.prod(var.aval.shape) * var.aval.dtype.itemsize
+    return moved["host"] / devices, moved["device"] / devices
+
+
 def dot_flops(eqn) -> float:
     """FLOPs of one equation's matrix products (0 for any other equation)."""
     if eqn.primitive.name == "dot_general":
@@ -147,6 +163,7 @@ class Readings:
     compiled: CompiledMemory
     flops: float  # the model's, by MaxText's formula (model/llama.py, deepseek.py)
     recomputed: float  # the matrix products its checkpoint policies compute again
+    link: tuple[float, float]  # bytes over the host link per step, to host and back
 
     @property
     def host_planned(self) -> int:
@@ -159,7 +176,8 @@ def read(program: Program) -> Readings:
     model, per_device = program.model, program.batch_size / len(program.target.devices)
     return Readings(offloaded(program.traced.jaxpr), CompiledMemory.of(program.step),
                     families.of(model).training_flops(model, per_device, program.run.seq),
-                    recomputed_flops(program))
+                    recomputed_flops(program),
+                    link_bytes(program.traced.jaxpr, len(program.target.devices)))
 
 
 # A stacked host buffer of a compiled GPU program: `bf16[L, ...]{...:S(5)}` (memory space 5,

@@ -13,7 +13,8 @@ from configs import ConfigError
 from data.tokens import TokenSource, token_source
 from hf.load import Checkpoint, open_checkpoint
 from model import families
-from offload import activations, optimizer_state
+from offload import activations
+from offload import state as host_state
 from runtime import auto, backend, checkpoints, fit as fits, report
 from runtime.own_program import CompiledMemory, size_words
 from trainer.program import Program, quantization_problems
@@ -148,6 +149,7 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
     if run.preset == activations.AUTO and resume is not None:  # its choice, not measured again
         choice = checkpoints.recorded_choice(resume)
         placement = choice.chosen.placement if choice else placement
+        run = with_state(run, choice.chosen) if choice else run
     return Setup(experiment, scale, why, model, run, placement, data, hf_params, resume,
                  tuple(args), recorded, choice)
 
@@ -160,6 +162,9 @@ def resolve_placement(model, run: configs.RunConfig, own: str = "") -> dict | No
     if run.preset == activations.NO_CHECKPOINT:
         if run.tag_changes:
             raise ConfigError("placement.<tag> overrides need a preset, not preset=none")
+        if run.parameters == "host":  # (model/layers.scan_layers: fetched inside the policy)
+            raise ConfigError("parameters=host needs a preset: without checkpointing the "
+                              "backward pass keeps every layer's weights on the device")
         return None
     try:
         return activations.resolve(run.preset, run.tag_changes, families.of(model).SCANS)
@@ -220,18 +225,26 @@ def program_for(setup: Setup, target: Target) -> tuple[Setup, Program]:
         setup, program = fitted(setup, target)
     else:
         program = Program(setup.model, setup.run, setup.placement, target)
+        check_state_placement(program)  # before anything is compiled
     if setup.run.preset != activations.AUTO or setup.choice is not None:
         return setup, program
     choice, program = choose_placement(setup, program, target)
-    return dataclasses.replace(setup, placement=choice.chosen.placement, choice=choice), program
+    return dataclasses.replace(setup, run=with_state(setup.run, choice.chosen),
+                               placement=choice.chosen.placement, choice=choice), program
+
+
+def with_state(run: configs.RunConfig, candidate: auto.Candidate) -> configs.RunConfig:
+    """`run` with the state where preset=auto's `candidate` keeps it."""
+    return dataclasses.replace(run, **dict(candidate.state))
 
 
 def choose_placement(setup: Setup, first: Program, target: Target) -> tuple[auto.Choice, Program]:
     """preset=auto's choice on this machine, each candidate compiled (`first`, the program of
     the experiment's own preset, reused) and those within the budget timed on its devices."""
-    def measure(placement: dict | None) -> tuple[CompiledMemory, Program]:
-        program = first if placement == setup.placement else Program(
-            setup.model, setup.run, placement, target)
+    def measure(candidate: auto.Candidate) -> tuple[CompiledMemory, Program]:
+        run = with_state(setup.run, candidate)
+        program = first if (candidate.placement, run) == (setup.placement, setup.run) else (
+            Program(setup.model, run, candidate.placement, target))
         return CompiledMemory.of(program.compile_run()), program
 
     tokens = setup.data.batch(0, first.batch_size, setup.run.seq)
@@ -249,21 +262,37 @@ def start_state(program: Program, setup: Setup) -> tuple[dict, int]:
     return state, meta["step"]
 
 
+def check_state_placement(program: Program) -> None:
+    """The state's parts in host memory (parameters=host, optimizer_state=host) on a machine
+    that has it: checked before anything is compiled."""
+    kinds = {m.kind for m in program.target.devices[0].addressable_memories()}
+    need = host_state.host_need(program.state_shapes) * len(jax.local_devices())
+    if problem := state_problem(program.run, program.target.platform, kinds, need,
+                                backend.host_memory()):
+        raise ConfigError(problem)
+
+
+def state_problem(run, platform: str, kinds: set[str], need: int, have: int) -> str | None:
+    """Why `run`'s state cannot lie where it asks on a `platform` backend with memory `kinds`
+    whose host has `have` bytes (the state's host part needs `need`); None: it can."""
+    placed = " ".join(f"{k}=host" for k in ("parameters", "optimizer_state")
+                      if getattr(run, k) == "host")
+    if not placed:
+        return None
+    if "pinned_host" not in kinds:
+        return (f"{placed}: the {platform} backend has no pinned_host memory (it has "
+                f"{', '.join(sorted(kinds)) or 'none'})")
+    if need > have:
+        return (f"{placed}: the state and its new copy need {need / 2**30:.1f} GiB of host "
+                f"memory here, the host has {have / 2**30:.1f} GiB; keep it on the device or "
+                "use more hosts")
+    return None
+
+
 def check_machine(program: Program, offloads: bool) -> None:
     """What this machine must have for the program, checked before step 1."""
     target = program.target
-    if program.run.optimizer_state == "host":
-        kinds = {m.kind for m in target.devices[0].addressable_memories()}
-        if "pinned_host" not in kinds:
-            raise ConfigError(f"optimizer_state=host: the {target.platform} backend has no "
-                              f"pinned_host memory (it has {', '.join(sorted(kinds)) or 'none'})")
-        moments = optimizer_state.moment_bytes(program.state_shapes["opt_state"])
-        need = 2 * moments * len(jax.local_devices())
-        have = backend.host_memory()
-        if need > have:
-            raise ConfigError(f"optimizer_state=host: the state and its new copy need "
-                              f"{need / 2**30:.1f} GiB of host memory here, the host has "
-                              f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
+    check_state_placement(program)
     if target.platform == "gpu" and offloads and not backend.host_reads_in_order():
         raise ConfigError("this jax reads offloaded activations back from the wrong layers on "
                           "this GPU (openxla/xla #46231; fixed in jax 0.11.1): the gradients "

@@ -8,6 +8,7 @@ import json
 import jax
 import pytest
 
+import configs
 from conftest import SMALL, run_cli
 from model import deepseek, llama
 from offload import activations
@@ -47,10 +48,11 @@ def tiny():
     setup = runtime_setup.resolve(TINY[0], TINY[1:], jax.devices())
     target, cache = this_machine(), {}
 
-    def measure(placement):
-        key = json.dumps(placement, sort_keys=True)
+    def measure(candidate):
+        key = json.dumps([candidate.placement, candidate.state], sort_keys=True)
         if key not in cache:
-            program = Program(setup.model, setup.run, placement, target)
+            program = Program(setup.model, runtime_setup.with_state(setup.run, candidate),
+                              candidate.placement, target)
             cache[key] = CompiledMemory.of(program.compile_run()), program
         return cache[key]
     return setup, measure
@@ -63,7 +65,7 @@ def budget(device: int) -> fits.Budget:
 def test_a_candidate_over_the_budget_is_compiled_never_timed_and_the_fastest_given_is_chosen(
         tiny):
     setup, measure = tiny
-    sizes = {c.name: measure(c.placement)[0].device
+    sizes = {c.name: measure(c)[0].device
              for c in auto.presets(llama.SCANS, {})}
     assert sizes["none"] > min(sizes.values())  # keeping every residual takes more
     limit = sizes["none"] - 1
@@ -79,12 +81,12 @@ def test_a_candidate_over_the_budget_is_compiled_never_timed_and_the_fastest_giv
     fitting = [r for r in choice.rows if r.fits]
     assert len(timed) == len(fitting) and all(r.memory.device <= limit for r in fitting)
     assert choice.chosen == fitting[-2].candidate  # the one given 0.5 s
-    assert program is measure(choice.chosen.placement)[1]
+    assert program is measure(choice.chosen)[1]
 
 
 def test_the_neighbours_are_one_tag_from_the_best_ranked_preset_and_recompute_less(tiny):
     setup, measure = tiny
-    sizes = {c.name: measure(c.placement)[0].device for c in auto.presets(llama.SCANS, {})}
+    sizes = {c.name: measure(c)[0].device for c in auto.presets(llama.SCANS, {})}
     rows, programs = auto.compiled(setup, budget(sizes["none"] - 1), measure, lambda _: None)
     presets = [r for r in rows if not r.candidate.changes]
     near = rows[len(presets):]
@@ -110,7 +112,7 @@ def test_a_cpu_run_with_preset_auto_trains_a_candidate_within_its_budget(tiny, t
     in auto.json and the header, its placement in config.json; resumed, it takes that choice
     and compiles no candidate."""
     setup, measure = tiny
-    none = measure(None)[0]
+    none = measure(auto.Candidate("none", (), None))[0]
     words = [*TINY, "auto_steps=1", f"fit_memory={(none.device - 1) / GiB!r}",
              "checkpoint_every=1"]
     code, out, err = run_cli(words, tmp_path, capsys)
@@ -137,7 +139,7 @@ def test_nothing_fitting_names_the_smallest_candidate(tiny):
     setup, measure = tiny
     with pytest.raises(fits.FitError) as refused:
         auto.compiled(setup, budget(2**17), measure, lambda _: None)
-    sizes = {c.name: measure(c.placement)[0].device for c in auto.presets(llama.SCANS, {})}
+    sizes = {c.name: measure(c)[0].device for c in auto.presets(llama.SCANS, {})}
     line = str(refused.value)
     assert line.startswith("preset=auto: no candidate fits; the smallest, ")
     named = line.split("the smallest, ")[1].split(",")[0]
@@ -148,3 +150,48 @@ def test_nothing_fitting_names_the_smallest_candidate(tiny):
 def test_an_unknown_preset_is_told_auto_too():
     with pytest.raises(ValueError, match=r"none, auto$"):
         activations.resolve("fastest", {}, llama.SCANS)
+
+
+def test_the_states_place_is_a_candidate_where_the_run_keeps_part_of_it_on_host():
+    """Each part of the state the run keeps on host, unless the command line set it, is tried
+    on the device too (the run's own place first); a run with the whole state on the device
+    has one place; candidates with the weights on host never drop checkpointing (they need a
+    policy), and each candidate's name says what of it is on host."""
+    run = configs.RunConfig(optimizer_state="host", parameters="host")
+    both, one = (("optimizer_state", "host"), ("parameters", "host")), (
+        ("optimizer_state", "host"), ("parameters", "device"))
+    assert auto.state_options(run, set()) == [
+        both, (("optimizer_state", "device"), ("parameters", "host")), one,
+        (("optimizer_state", "device"), ("parameters", "device"))]
+    assert auto.state_options(run, {"optimizer_state"}) == [both, one]
+    assert auto.state_options(configs.RunConfig(), set()) == [()]
+    found = auto.presets(llama.SCANS, {}, [both, one])
+    assert {c.state for c in found} == {both, one}
+    assert all(c.placement is not None for c in found if c.state == both)
+    assert [c.preset for c in found if c.state == one] == [
+        c.preset for c in auto.presets(llama.SCANS, {})]
+    assert found[0].name == f"{found[0].preset} optimizer_state=host parameters=host"
+
+
+def test_preset_auto_trains_the_state_where_its_chosen_candidate_keeps_it(tmp_path, capsys):
+    """llama70b-8xh200 keeps its optimizer state on host (the experiment's, not the command
+    line's): preset=auto compiles and times each preset with the state on host and on the
+    device, carrying one state from program to program, and the run trains the chosen one's
+    state placement (config.json, the header); resumed, it takes that choice again."""
+    words = ["llama70b-8xh200", *SMALL, "preset=auto", "auto_steps=1", "quant=none",
+             "checkpoint_every=1", "steps=2"]
+    code, out, err = run_cli(words, tmp_path, capsys)
+    assert code == 0, err
+    run_dir = next(tmp_path.iterdir())
+    record = json.loads((run_dir / "auto.json").read_text())
+    states = [c["state"]["optimizer_state"] for c in record["candidates"]]
+    assert set(states) == {"host", "device"} and states.count("host") == states.count("device")
+    assert all(c["median_step_s"] for c in record["candidates"])
+    chosen = record["state"]["optimizer_state"]
+    assert json.loads((run_dir / "config.json").read_text())["run"]["optimizer_state"] == chosen
+    assert f"optimizer state on {chosen}, layers' weights on device" in out
+    code, out, err = run_cli([*words, f"resume={run_dir / 'checkpoints' / '1'}"], tmp_path,
+                             capsys)
+    assert code == 0, err
+    assert "the resumed checkpoint's choice" in out
+    assert f"optimizer state on {chosen}, layers' weights on device" in out

@@ -57,7 +57,8 @@ def forward_options(model, run: RunConfig, placement: dict | None, rules: AxisRu
                 and model.n_layers <= UNROLLED_LAYERS)
     return ForwardOptions(run.compute_dtype, policies, rules, attention,
                           quantization(run, target), experts, parallel, unrolled,
-                          flat_products=target.platform == "cpu")
+                          flat_products=target.platform == "cpu",
+                          weights_on_host=run.parameters == "host")
 
 
 def abstract_state(model, run: RunConfig, rules: AxisRules, optimizer):
@@ -67,15 +68,25 @@ def abstract_state(model, run: RunConfig, rules: AxisRules, optimizer):
     shardings = param_shardings(specs, rules)
     replicated = rules.sharding(())
     opt_state = jax.eval_shape(optimizer.init, params)
+    if run.parameters == "host":  # the layer scans' weights and, below, their moments
+        shardings = {k: _on_host(s) if k in families.of(model).SCANS else s
+                     for k, s in shardings.items()}
     opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, shardings,
                                           transform_non_params=lambda _: replicated)
     if run.optimizer_state == "host":  # the moments; the step counts (0-d) stay on device
         opt_shardings = jax.tree.map(lambda a, s: s.with_memory_kind("pinned_host") if a.ndim
                                      else s, opt_state, opt_shardings)
+    elif run.parameters == "host":  # the moments on the device, wherever the weights are
+        opt_shardings = jax.tree.map(lambda a, s: s.with_memory_kind("device") if a.ndim
+                                     else s, opt_state, opt_shardings)
     shapes = {"params": params, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     shardings = {"params": shardings, "opt_state": opt_shardings, "step": replicated}
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, shardings)
+
+
+def _on_host(shardings):
+    return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
 
 
 def abstract_batch(run: RunConfig, rules: AxisRules, n_devices: int) -> jax.ShapeDtypeStruct:
@@ -171,6 +182,9 @@ class Program:
         dtype = jnp.dtype(self.run.param_dtype)
         params = (init_params(specs, self.rules, jax.random.key(self.run.seed), dtype)
                   if checkpoint is None else checkpoint.arrays(shardings["params"], dtype))
+        # Made on the device, then moved where the state keeps them (parameters=host: the
+        # layer scans' weights to host memory; elsewhere nothing moves).
+        params = jax.device_put(params, shardings["params"])
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings["opt_state"])(params)
         return {"params": params, "opt_state": opt_state,
                 "step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])}

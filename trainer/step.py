@@ -12,7 +12,8 @@ from configs import OptimizerConfig, RunConfig
 from model import families
 from model.layers import unembed
 from model.sharding import constrain
-from offload.optimizer_state import host_update
+from offload import state as host_state
+from offload.state import DEVICE
 
 
 def cross_entropy(logits, targets):
@@ -63,28 +64,28 @@ def update_router_bias(params, expert_load, rate: float):
     load = expert_load.astype(jnp.float32)
     step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
     moe = params["moe_layers"]
-    return {**params, "moe_layers": {**moe, "router_bias": moe["router_bias"] + step}}
+    bias = jax.device_put(moe["router_bias"], DEVICE) + step  # (parameters=host: from host)
+    bias = jax.device_put(bias, jax.typeof(moe["router_bias"]).memory_space)
+    return {**params, "moe_layers": {**moe, "router_bias": bias}}
 
 
 def train_step(state, batch, *, model, run: RunConfig, options):
     """One step of `run` for `model`, its forward as `options` say: the loss's gradients,
-    AdamW's update (its state on the device or, optimizer_state=host, in host memory:
-    offload/optimizer_state.py), DeepSeek's router bias. The step's key is a function of (seed,
+    clipping and AdamW's update (the moments and, parameters=host, the layers' weights on the
+    device or in host memory: offload/state.py), DeepSeek's router bias. The step's key is a function of (seed,
     step), so a resumed run draws the same bits; the experts' drops are reported apart for
     each device of the expert axis."""
     key = jax.random.fold_in(jax.random.key(run.seed), state["step"])
     loss = partial(loss_fn, model=model, options=options, balance_weight=run.balance_loss_weight,
                    loss_chunks=run.loss_chunks)
     (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch, key)
-    clip, adamw = optimizer_parts(run.optimizer, run.steps)
-    if run.optimizer_state == "host":
-        params, opt_state = host_update(grads, state["opt_state"], state["params"], clip, adamw,
-                                        families.of(model).SCANS)
-    else:
-        updates, opt_state = optax.chain(clip, adamw).update(grads, state["opt_state"],
-                                                             state["params"])
-        params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": aux["cross_entropy"], "grad_norm": optax.tree.norm(grads)}
+    _, adamw = optimizer_parts(run.optimizer, run.steps)
+    scans = families.of(model).SCANS
+    norm = host_state.global_norm(grads, scans)
+    params, opt_state = host_state.update(
+        grads, state["opt_state"], state["params"], norm, run.optimizer.clip_norm, adamw, scans,
+        params_on_host=run.parameters == "host", moments_on_host=run.optimizer_state == "host")
+    metrics = {"loss": aux["cross_entropy"], "grad_norm": norm}
     if "expert_load" in aux:
         params = update_router_bias(params, aux["expert_load"], run.router_bias_rate)
         metrics |= expert_metrics(aux, run.mesh.expert)
