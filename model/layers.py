@@ -143,7 +143,9 @@ def scan_layers(layer, x, weights, keys, options, name: str):
 
         def layer(x, inputs):
             w, key = inputs
-            return body(x, (to_device(w), key))
+            w = dict(w)
+            probe = w.pop(NORM_PROBE, jnp.zeros((), jnp.float32))
+            return body(x, (to_device(w, probe), key))
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     with jax.named_scope(name):
@@ -151,25 +153,31 @@ def scan_layers(layer, x, weights, keys, options, name: str):
 
 
 WEIGHTS_SCOPE = "weights_from_host"  # the named scope of a layer's weights' moves
+# A per-layer zero a train step may add to a scan's weights (parameters=host): its gradient
+# is the sum of the squares of the layer's weight gradients, taken as they are made.
+NORM_PROBE = "norm_probe"
 
 
 @jax.custom_vjp
-def to_device(w):
-    """A layer's weights moved from host memory to the device; its gradient goes back to host
-    memory. (What `jax.device_put` does under autodiff, but for a weight without a gradient,
-    DeepSeek's router bias: JAX 0.12 makes its zero cotangent on the device, not in the host
-    memory its weight lies in, and refuses the step.)"""
+def to_device(w, probe):
+    """A layer's weights moved from host memory to the device; in the backward pass its
+    gradient goes back to host memory, and `probe`'s gradient is the sum of its squares (the
+    gradient norm's share of this layer, without reading the gradient back from host). Not
+    `jax.device_put` alone also for a weight without a gradient, DeepSeek's router bias: JAX
+    0.12 makes its zero cotangent on the device, not in host memory, and refuses the step."""
+    del probe
     with jax.named_scope(WEIGHTS_SCOPE):
         return jax.device_put(w, jax.memory.Space.Device)
 
 
-def _to_device_forward(w):
-    return to_device(w), None
+def _to_device_forward(w, probe):
+    return to_device(w, probe), None
 
 
 def _to_device_backward(_, grads):
+    squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
     with jax.named_scope(WEIGHTS_SCOPE):
-        return (jax.device_put(grads, jax.memory.Space.Host),)
+        return jax.device_put(grads, jax.memory.Space.Host), squares
 
 
 to_device.defvjp(_to_device_forward, _to_device_backward)

@@ -3,30 +3,52 @@ parameters=host the layer scans' FP32 weights, and so their gradients, which aut
 back where the weights came from (model/layers.scan_layers fetches a layer's weights to the
 device inside the scan). Between steps they live in pinned host memory; the update passes
 them through the device one layer at a time (`jax.device_put` to a memory space inside the
-step; docs/host_offloading.md). Clipping needs the global norm first: every run sums it the
-same way, a layer at a time, so that the placements agree to the bit; AdamW is elementwise,
-so a layer at a time is the same arithmetic as the whole state at once (tests/test_host_state.py)."""
+step; docs/host_offloading.md). Clipping needs the global norm first: every run sums it a
+layer at a time (with the weights on host, as the backward pass makes each layer's gradient),
+so that the placements agree to the bit; AdamW is elementwise, so a layer at a time is the
+same arithmetic as the whole state at once (tests/test_host_state.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from model.layers import NORM_PROBE
+
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 SCOPE = "optimizer_state"  # the named scope of the update's moves, apart from the activations'
 
 
-def global_norm(grads: dict, scans) -> jax.Array:
+def global_norm(grads: dict, scans, layer_squares: dict | None = None) -> jax.Array:
     """The gradients' global L2 norm (clipping's, and the reported grad_norm): the leaves
     outside the layer `scans` squared and summed whole, each scan's a layer at a time on the
-    device, wherever they lie."""
+    device: from `layer_squares` (scan -> [L], each layer's sum taken in the backward pass as
+    its gradient was made: parameters=host), or read here."""
     def layer(_, grads):
-        return None, sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(_move(grads, DEVICE)))
+        return None, sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
 
     squares = [jnp.sum(jnp.square(g)) for k in grads if k not in scans
                for g in jax.tree.leaves(grads[k])]
-    squares += [jnp.sum(jax.lax.scan(layer, None, grads[k])[1]) for k in grads if k in scans]
+    squares += [jnp.sum(layer_squares[k] if layer_squares else
+                        jax.lax.scan(layer, None, grads[k])[1]) for k in grads if k in scans]
     return jnp.sqrt(sum(squares))
+
+
+def with_norm_probes(params: dict, scans) -> dict:
+    """`params` with a zero per layer in each layer scan (`NORM_PROBE`): its gradient is the
+    sum of the squares of that layer's weight gradients, taken in the backward pass as they are
+    made, before they leave for host memory (model/layers.to_device)."""
+    return {k: {**v, NORM_PROBE: jnp.zeros(jax.tree.leaves(v)[0].shape[0], jnp.float32)}
+            if k in scans else v for k, v in params.items()}
+
+
+def norm_probes(grads: dict, scans) -> tuple[dict, dict | None]:
+    """(the gradients without the probes, scan -> its layers' sums of squares), or (the
+    gradients, None) where the step added no probes."""
+    if not any(NORM_PROBE in grads[k] for k in scans):
+        return grads, None
+    return ({k: {n: g for n, g in v.items() if n != NORM_PROBE} if k in scans else v
+             for k, v in grads.items()}, {k: grads[k][NORM_PROBE] for k in scans})
 
 
 def clip(grads, norm: jax.Array, max_norm: float):
@@ -61,12 +83,13 @@ def update(grads, opt_state, params, norm, max_norm, adamw, scans, *, params_on_
 
 
 def _by_layer(adamw, grads, state, params, clipped, params_on_host, moments_on_host):
-    """One layer scan's update, a layer at a time. What lies in host memory is read a layer at
-    a time (the scan's inputs), moved to the device, updated there and written to a new
-    stacked host buffer (the scan's outputs: a step holds it twice in host memory). What lies
-    on the device is updated in place (the scan's carry): device moments layer by layer, and
-    device weights' updates written over their gradients and added after the loop, so no
-    third copy of the weights is made. The 0-d step counts are the same for every layer."""
+    """One layer scan's update, a layer at a time, each stacked buffer read and written in
+    place (the scan's carry): a layer's moments, and its weights where they lie in host
+    memory, are read from their buffer, moved to the device, updated there and written back
+    over the layer read, so that no second copy of the state is made in either memory (the
+    step donates it). Device weights' updates are written over their gradients and added after
+    the loop: no third copy of them on the device. The 0-d step counts are the same for every
+    layer."""
     def at(tree, i):
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
@@ -76,34 +99,29 @@ def _by_layer(adamw, grads, state, params, clipped, params_on_host, moments_on_h
 
     counts = jax.tree.map(lambda x: None if x.ndim else x, state)
     moments = jax.tree.map(lambda x: x if x.ndim else None, state)
-    stacked = {"grads": grads, "params": params, "moments": moments}
-    on_host = {"grads": params_on_host, "params": params_on_host, "moments": moments_on_host}
-    host = {k: v for k, v in stacked.items() if on_host[k]}
-    carry = {k: stacked[k] for k in ("grads", "moments") if not on_host[k]}
 
-    def layer(carry, xs):
-        i, host = xs
-        here = {k: at(v, i) for k, v in carry.items()} | _move(host, DEVICE)
-        weights = here["params"] if params_on_host else at(params, i)
-        updates, new = adamw.update(clipped(here["grads"]), _merge(counts, here["moments"]),
-                                    weights)
+    def layer(carry, _):
+        i = carry["layer"]  # (counted in the carry: the study's addressing proof reads it)
+        weights = _move(at(carry["params"] if params_on_host else params, i), DEVICE)
+        layer_grads = _move(at(grads if params_on_host else carry["grads"], i), DEVICE)
+        updates, new = adamw.update(clipped(layer_grads), _merge(counts, _move(
+            at(carry["moments"], i), DEVICE)), weights)
         new = jax.tree.map(lambda x, c: x if c is None else None, new, counts)  # moments only
-        written = {}
+        carry["moments"] = put(carry["moments"], i, _move(new, HOST) if moments_on_host else new)
         if params_on_host:
-            written["params"] = _move(optax.apply_updates(weights, updates), HOST)
+            new_weights = _move(optax.apply_updates(weights, updates), HOST)
+            carry["params"] = put(carry["params"], i, new_weights)
         else:
             carry["grads"] = put(carry["grads"], i, updates)
-        if moments_on_host:
-            written["moments"] = _move(new, HOST)
-        else:
-            carry["moments"] = put(carry["moments"], i, new)
-        return carry, written
+        return {**carry, "layer": i + 1}, None
 
     layers = jax.tree.leaves(params)[0].shape[0]
-    carry, written = jax.lax.scan(layer, carry, (jnp.arange(layers), host))
-    new_params = written["params"] if params_on_host else optax.apply_updates(params,
-                                                                               carry["grads"])
-    return new_params, _merge(counts, written.get("moments", carry.get("moments")))
+    carry = {"layer": jnp.zeros((), jnp.int32), "moments": moments,
+             **({"params": params} if params_on_host else {"grads": grads})}
+    carry, _ = jax.lax.scan(layer, carry, length=layers)
+    new_params = (carry["params"] if params_on_host
+                  else optax.apply_updates(params, carry["grads"]))
+    return new_params, _merge(counts, carry["moments"])
 
 
 def _merge(counts, moments):
@@ -156,10 +174,10 @@ def moment_bytes(opt_state) -> int:
 
 
 def host_need(state) -> int:
-    """Per device, the host memory a train state (sharded ShapeDtypeStructs) takes during its
-    update: what its shardings place in pinned host memory, twice (the state and its new copy),
-    and the gradients of the weights there."""
+    """Per device, the host memory a train state (sharded ShapeDtypeStructs) takes during a
+    step: what its shardings place in pinned host memory (updated in place) and the gradients
+    of the weights there."""
     on_host = [x for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
     weights = [x for x in jax.tree.leaves(state["params"])
                if x.sharding.memory_kind == "pinned_host"]
-    return 2 * per_device_bytes(on_host) + per_device_bytes(weights)
+    return per_device_bytes(on_host) + per_device_bytes(weights)

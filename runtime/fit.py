@@ -3,10 +3,12 @@ GPUs a machine has, as many as fit. The layer is the study's (width, heads, MLP,
 batch per device, dtypes, NVFP4, placement, XLA flags); the layer count is the largest whose
 compiled program fits a budget of device and pinned host memory, found from a few programs
 compiled without allocating anything (memory is close to linear in layers: two give the
-slope, a third confirms, a fourth shows one more does not fit). Where even the fewest layers
-do not fit, the fit reduces, in this order, each said in the run's header: the optimizer state
-(to host memory), the routed experts (top-k and expert width kept: an MoE layer's weights are
-mostly its experts), the vocabulary of the embedding and head. The tagged tensors keep the
+slope, a third confirms, a fourth shows one more does not fit). On a machine with pinned host
+memory the state moves there where that lets more layers fit, the optimizer state first, then
+the layers' weights and gradients. Where even the fewest layers do not fit with all of it
+there, the fit reduces, in this order, each said in the run's header: the routed experts
+(top-k and expert width kept: an MoE layer's weights are mostly its experts), the vocabulary of
+the embedding and head. The tagged tensors keep the
 study's shapes: they are what the technique is about."""
 
 import dataclasses
@@ -131,11 +133,15 @@ def largest(values: list[int], measure: Callable[[int], CompiledMemory],
     return low
 
 
+STATE = ("optimizer_state", "parameters")  # the state's parts a fit may move to host, in order
+
+
 def knobs(model, run, fixed: set[str], shards: int, host_state: bool) -> list:
     """The reductions this run may take, in order, each as (its words per value, the values,
-    ascending): those its command line set are not taken."""
+    ascending): those its command line set are not taken. The state's moves to host memory
+    come first (each says `STATE`'s key: they change no shape of the model)."""
     found = []
-    for part in ("optimizer_state", "parameters"):  # the state to host memory, in this order
+    for part in STATE:  # the state to host memory: the moments, then the weights
         if host_state and getattr(run, part) == "device" and part not in fixed:
             found.append((lambda _, part=part: {part: "host"}, [1]))
     if hasattr(model, "n_experts") and "model.n_experts" not in fixed:
@@ -186,31 +192,45 @@ def search(model, run, budget: Budget, measure: Callable[[dict], tuple], fixed: 
 
     per_layers, counts = layer_words(model, fixed, full)
     wanted = model.n_layers if "model.n_layers" in fixed else None
-    words = {}
+    words, best = {}, None  # best: (layers, words, one more layer's memory)
     for knob in [None, *knobs(model, run, fixed, shards, host_state)]:
         if knob is not None:
             said, values = knob
+            if best is not None and not set(said(values[0])) & set(STATE):
+                break  # the model is reduced only where no place of the state fits it
             index = largest(values, lambda v: at({**words, **said(v), **per_layers(counts[0])}),
                             budget)
             words = {**words, **said(values[index or 0])}
         if not budget.fits(at({**words, **per_layers(counts[0])})):
             continue  # not even the fewest layers: the next reduction too
-        over = None
-        if wanted is None or not budget.fits(at({**words, **per_layers(wanted)})):
-            index = largest(counts, lambda n: at({**words, **per_layers(n)}), budget)
-            if wanted is not None:
-                raise FitError(f"model.n_layers={wanted} does not fit: "
-                               f"{size_words(at({**words, **per_layers(wanted)}).device)} per "
-                               f"device of {budget.device_words}; {counts[index]} layers fit"
-                               f"{_with(words, model)}")
-            wanted = counts[index]
-            if index + 1 < len(counts):
-                over = at({**words, **per_layers(counts[index + 1])})
-        chosen = {**per_layers(wanted), **words}
-        fit = Fit(chosen, model, at(chosen), over, budget, len(seen),
-                  time.perf_counter() - started)
-        return fit, seen[key(chosen)][1]
-    raise FitError(_nothing_fits(model, budget, words, counts, at, per_layers))
+        if wanted is not None:
+            if budget.fits(at({**words, **per_layers(wanted)})):
+                best = (wanted, words, None)
+                break
+            best = (None, words, None)
+            continue  # the state's next move may let it fit
+        # Each move of the state to host is kept where it lets more layers fit: as many of
+        # the study's layers as fit are the fit's aim. Searched from the last count found.
+        start = 0 if best is None else counts.index(best[0])
+        found = largest(counts[start:], lambda n: at({**words, **per_layers(n)}), budget)
+        index = start + (0 if found is None else found)
+        if best is None or (found is not None and counts[index] > best[0]):
+            over = (at({**words, **per_layers(counts[index + 1])})
+                    if index + 1 < len(counts) else None)
+            best = (counts[index], words, over)
+        if index + 1 == len(counts):
+            break
+    if best is None:
+        raise FitError(_nothing_fits(model, budget, words, counts, at, per_layers))
+    layers, words, over = best
+    if layers is None:
+        index = largest(counts, lambda n: at({**words, **per_layers(n)}), budget)
+        raise FitError(f"model.n_layers={wanted} does not fit: "
+                       f"{size_words(at({**words, **per_layers(wanted)}).device)} per device "
+                       f"of {budget.device_words}; {counts[index]} layers fit{_with(words, model)}")
+    chosen = {**per_layers(layers), **words}
+    fit = Fit(chosen, model, at(chosen), over, budget, len(seen), time.perf_counter() - started)
+    return fit, seen[key(chosen)][1]
 
 
 def _given(model, run, key: str) -> str:

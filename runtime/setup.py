@@ -265,6 +265,8 @@ def start_state(program: Program, setup: Setup) -> tuple[dict, int]:
 def check_state_placement(program: Program) -> None:
     """The state's parts in host memory (parameters=host, optimizer_state=host) on a machine
     that has it: checked before anything is compiled."""
+    if "host" not in (program.run.parameters, program.run.optimizer_state):
+        return
     kinds = {m.kind for m in program.target.devices[0].addressable_memories()}
     need = host_state.host_need(program.state_shapes) * len(jax.local_devices())
     if problem := state_problem(program.run, program.target.platform, kinds, need,
@@ -283,9 +285,9 @@ def state_problem(run, platform: str, kinds: set[str], need: int, have: int) -> 
         return (f"{placed}: the {platform} backend has no pinned_host memory (it has "
                 f"{', '.join(sorted(kinds)) or 'none'})")
     if need > have:
-        return (f"{placed}: the state and its new copy need {need / 2**30:.1f} GiB of host "
-                f"memory here, the host has {have / 2**30:.1f} GiB; keep it on the device or "
-                "use more hosts")
+        return (f"{placed}: the state in host memory needs {need / 2**30:.1f} GiB here (with "
+                f"the weights' gradients), the host has {have / 2**30:.1f} GiB; keep it on the "
+                "device or use more hosts")
     return None
 
 

@@ -9,7 +9,7 @@ import jax
 from runtime import checkpoints, header, report
 from runtime.setup import Setup, resolve
 from study.command_line import study_setup
-from study.compiling.compiled_row import compile_row
+from study.compiling.compiled_row import compile_row, host_weight_lines
 from study.hardware.compile_only import DEVICELESS, compile_only
 from study.plan import memory_plan, printed
 from study.search import placements
@@ -48,6 +48,7 @@ def compile(name: str, args: list[str]) -> None:
           f"{deviceless}: study/hardware/compile_only.py); kernels: "
           f"{row.program.options.describe(hasattr(row.program.model, 'n_experts'))}")
     print("\n".join(printed.plan_lines(name, run, gpu, row.full_plan)))
+    print("\n".join(host_weight_lines(row.host_weights)))
     compiled = row.compiled_memory()
     print("\n".join(printed.compiled_lines(compiled, row.full_plan, gpu, row.arrived)))
     prediction = predicted_step.of_experiment(setup.experiment, row.hlo, gpu, len(target.devices),

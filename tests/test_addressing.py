@@ -89,6 +89,21 @@ HAND_WRITTEN = """HloModule hand, is_scheduled=true
   ROOT %back = (s32[], f32[4,8]{1,0:S(5)}) tuple(%after, %held)
 }
 
+%up (u: (s32[], f32[4,8], f32[4,8])) -> (s32[], f32[4,8], f32[4,8]) {
+  %u = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) parameter(0)
+  %n = s32[] get-tuple-element(%u), index=0
+  %ws = f32[4,8]{1,0:S(5)} get-tuple-element(%u), index=1
+  %gs = f32[4,8]{1,0:S(5)} get-tuple-element(%u), index=2
+  %e0 = s32[] constant(0)
+  %w1 = f32[1,8]{1,0} dynamic-slice(%ws, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
+  %g1 = f32[1,8]{1,0} dynamic-slice(%gs, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
+  %new = f32[1,8]{1,0} add(%w1, %g1)
+  %put = f32[4,8]{1,0:S(5)} dynamic-update-slice(%ws, %new, %n, %e0), FETCH
+  %inc = s32[] constant(1)
+  %n1 = s32[] add(%n, %inc)
+  ROOT %r = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%n1, %put, %gs)
+}
+
 %more (c: (s32[], f32[4,8])) -> pred[] {
   %c = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
   %k = s32[] get-tuple-element(%c), index=0
@@ -368,3 +383,110 @@ def test_a_gpu_run_refuses_a_jax_that_reads_the_wrong_bytes(monkeypatch):
                         lambda: pytest.fail("the probe ran"))
     for target, offloads in [(gpu, False), (Target("cpu", None, ("a CPU",)), True)]:
         runtime_setup.check_machine(program(target), offloads)
+
+
+# parameters=host: a layer scan's weights (four layers of f32[8]) arrive in host memory (an
+# entry parameter); the forward loop reads layer i, the backward loop reads layer INDEX with
+# XLA's descriptor READ and writes the gradient of layer 3 - j into a host buffer, which the
+# update reads after the loop (here layer 0, outside any loop).
+WEIGHTS = """HloModule weights, is_scheduled=true
+
+%forward (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %weights = f32[4,8]{1,0:S(5)} get-tuple-element(%p), index=1
+  %c0 = s32[] constant(0)
+  %fetched = f32[1,8]{1,0} dynamic-slice(%weights, %i, %c0), dynamic_slice_sizes={1,8}, FETCH
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[4,8]{1,0:S(5)}) tuple(%next, %weights)
+}
+
+%bk (q: (s32[], f32[4,8], f32[4,8])) -> (s32[], f32[4,8], f32[4,8]) {
+  %q = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %held = f32[4,8]{1,0:S(5)} get-tuple-element(%q), index=1
+  %grads = f32[4,8]{1,0:S(5)} get-tuple-element(%q), index=2
+  %last = s32[] constant(3)
+  %reverse = s32[] subtract(%last, %j)
+  %d0 = s32[] constant(0)
+  %read = f32[1,8]{1,0} dynamic-slice(%held, INDEX, %d0), dynamic_slice_sizes={1,8}, READ
+  %written = f32[4,8]{1,0:S(5)} dynamic-update-slice(%grads, %read, %reverse, %d0), WRITE
+  %step = s32[] constant(1)
+  %after = s32[] add(%j, %step)
+  ROOT %back = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%after, %held, %written)
+}
+
+%up (u: (s32[], f32[4,8], f32[4,8])) -> (s32[], f32[4,8], f32[4,8]) {
+  %u = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) parameter(0)
+  %n = s32[] get-tuple-element(%u), index=0
+  %ws = f32[4,8]{1,0:S(5)} get-tuple-element(%u), index=1
+  %gs = f32[4,8]{1,0:S(5)} get-tuple-element(%u), index=2
+  %e0 = s32[] constant(0)
+  %w1 = f32[1,8]{1,0} dynamic-slice(%ws, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
+  %g1 = f32[1,8]{1,0} dynamic-slice(%gs, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
+  %new = f32[1,8]{1,0} add(%w1, %g1)
+  %put = f32[4,8]{1,0:S(5)} dynamic-update-slice(%ws, %new, %n, %e0), FETCH
+  %inc = s32[] constant(1)
+  %n1 = s32[] add(%n, %inc)
+  ROOT %r = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%n1, %put, %gs)
+}
+
+%more (c: (s32[], f32[4,8])) -> pred[] {
+  %c = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %layers = s32[] constant(4)
+  ROOT %below = pred[] compare(%k, %layers), direction=LT
+}
+
+%m.1 (c.1: (s32[], f32[4,8], f32[4,8])) -> pred[] {
+  %c.1 = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) parameter(0)
+  %k.1 = s32[] get-tuple-element(%c.1), index=0
+  %layers.1 = s32[] constant(4)
+  ROOT %below.1 = pred[] compare(%k.1, %layers.1), direction=LT
+}
+
+ENTRY %main (w: f32[4,8]) -> f32[4,8] {
+  %w = f32[4,8]{1,0:S(5)} parameter(0)
+  %start = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0:S(5)}) tuple(%start, %w)
+  %fwd = (s32[], f32[4,8]{1,0:S(5)}) while(%init), condition=%more, body=%forward, LOOP4
+  %gradient = f32[4,8]{1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"
+  %in = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%start, %w, %gradient)
+  %bwd = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) while(%in), condition=%m.1, body=%bk, LOOP4
+  %held.1 = f32[4,8]{1,0:S(5)} get-tuple-element(%bwd), index=1
+  %grads = f32[4,8]{1,0:S(5)} get-tuple-element(%bwd), index=2
+  %g = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%start, %held.1, %grads)
+  %upd = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) while(%g), condition=%m.1, body=%up, LOOP4
+  ROOT %updated = f32[4,8]{1,0:S(5)} get-tuple-element(%upd), index=1
+}
+"""
+
+
+@pytest.mark.parametrize("index, read, verdict, says", [
+    ("%reverse", RIGHT_WALK, addressing.CHECKED,
+     "the forward pass reads layer 0 first, the backward pass layer 3 first, the update reads "
+     "and writes each over, layer 0 first: checked"),
+    # The descriptor walks forward, the index backward (openxla/xla #46231, for the weights):
+    ("%reverse", FORWARD_WALK, addressing.WRONG,
+     "read 4 (read, iteration 0 of loop bwd) means layer 3 (the loop passes index 3), but "
+     "XLA's descriptor byte_offset 0, byte_stride +32 addresses layer 0"),
+    # Both walk forward, in agreement: the backward pass's layers get layer 0's weights first.
+    ("%j", FORWARD_WALK, addressing.WRONG,
+     "not the forward pass reads layer 0 first, the backward pass layer 3 first, the update "
+     "reads and writes each over, layer 0 first: the program's accesses are read 0, read 1, "
+     "read 2, read 3, read 0, read 1, read 2, read 3, read 0, write 0,"),
+])
+def test_weights_in_host_memory_are_read_forward_then_backward(index, read, verdict, says):
+    """parameters=host: the proof of a layer scan's weights and gradient in host memory
+    (offload_proof.compiled_layer_weights), each half able to fail as the activations' can;
+    the gradient, written in the backward order, checks whatever the weights' reads do."""
+    hlo = (WEIGHTS.replace("INDEX", index).replace("READ", walk(read))
+           .replace("FETCH", walk(FORWARD_WALK)).replace("WRITE", walk(RIGHT_WALK))
+           .replace("LOOP4", loop("4")))
+    (weight,) = offload_proof.compiled_layer_weights(hlo, {"layers": {"w": ((4, 8), "float32")}})
+    assert (weight.scan, weight.name, weight.weights.buffer.name) == ("layers", "w", "w")
+    assert weight.weights.verdict == verdict and weight.weights.detail.startswith(says), (
+        weight.weights.detail)
+    assert (weight.gradient.buffer.name, weight.gradient.verdict, weight.gradient.detail) == (
+        "gradient", addressing.CHECKED, "the backward pass writes layer 3 first: checked")

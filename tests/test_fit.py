@@ -209,30 +209,34 @@ def test_the_budget_is_the_pool_less_the_margin_and_the_pinned_host_memory_share
         backend.host_limit()
 
 
-@pytest.mark.parametrize("budget, fixed, reduced", [
-    (15, set(), {"optimizer_state": "host"}),
-    (10, set(), {"optimizer_state": "host", "parameters": "host"}),
-    (10, {"parameters"}, {"optimizer_state": "host", "model.n_experts": "192"})])
-def test_the_state_goes_to_host_memory_first_the_moments_then_the_weights(
-        budget, fixed, reduced):
-    """A fit searched on a stand-in for the compiler at DeepSeek's full size, on a machine with
-    pinned host memory: a layer's FP32 weights and gradients 2 units, its moments 2, the rest
-    of its program 1 (the stand-in's memory per layer: 5, 3 with the moments on host, 1 with
-    the weights too; the routed experts scale it) and the fewest layers 4. Where the moments'
-    move lets them fit (15 units), the weights stay; where it does not (10), the weights move
-    next, before any expert is dropped; a fixed word is never reduced: the experts go instead
-    (64 at a time: 3 units a layer at 256 experts, 2.25 at 192)."""
+@pytest.mark.parametrize("budget, weights, fixed, reduced, layers", [
+    (200, 2, set(), {"optimizer_state": "host"}, 61),
+    (100, 2, set(), {"optimizer_state": "host", "parameters": "host"}, 61),
+    (40, 0, set(), {"optimizer_state": "host"}, 40),
+    (10, 2, set(), {"optimizer_state": "host", "parameters": "host"}, 10),
+    (10, 2, {"parameters"}, {"optimizer_state": "host", "model.n_experts": "192"}, 4)])
+def test_the_state_goes_to_host_memory_where_more_layers_fit_the_moments_then_the_weights(
+        budget, weights, fixed, reduced, layers):
+    """A fit searched on a stand-in for the compiler at DeepSeek's full size (61 layers, the
+    fewest 4), on a machine with pinned host memory: a layer's program 1 unit, its moments 2,
+    its FP32 weights and gradients `weights`; the routed experts scale it. Each move to host is
+    kept where more layers fit with it: the moments first (at 200 units all 61 fit, and the
+    weights stay); then the weights (at 100, 33 layers become 61); not where they add none
+    (weights 0: 40 layers either way). Where the fewest fit only with the whole state on host
+    (10), it goes there before any expert is dropped; a fixed word is never moved, and the
+    experts go instead (64 at a time: 3 units a layer at 256, 2.25 at 192)."""
     experiment = configs.get("deepseek671b-offload")
     model, run = experiment.model, experiment.run
 
     def measure(words):
         per_layer = (1 + 2 * (words.get("optimizer_state") != "host")
-                     + 2 * (words.get("parameters") != "host"))
+                     + weights * (words.get("parameters") != "host"))
         experts = int(words.get("model.n_experts", model.n_experts)) / model.n_experts
-        layers = int(words.get("model.n_layers", model.n_layers))
-        return CompiledMemory(int(layers * per_layer * experts * GiB), 0, 0, 0, 0), None
+        count = int(words.get("model.n_layers", model.n_layers))
+        return CompiledMemory(int(count * per_layer * experts * GiB), 0, 0, 0, 0), None
 
     fit, _ = fits.search(model, run, fits.Budget(budget * GiB, 2**40, "", ""), measure, fixed,
                          64, True, model.n_layers)
     assert {k: v for k, v in fit.words.items() if not k.startswith("model.n_")
             or k == "model.n_experts"} == reduced
+    assert fit.layers == layers

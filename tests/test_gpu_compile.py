@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import configs
-from study.compiling import fit_table
+from study.compiling import compiled_row, fit_table
 from study.programs import addressing, hlo
 from study.timing import predicted_step, replay
 from study.programs.hlo import parse_module
@@ -27,9 +27,10 @@ from study.compiling.compiled_row import CompiledRow, compile_row
 from study.hardware.gpus import GPUS, gpu_of
 from configs import PIPELINED
 
+from model import families
 from model.config import DeepSeekConfig
 from model.layers import causal_attention
-from offload import optimizer_state
+from offload import state as host_state
 from runtime import backend, header, own_program, report
 from runtime import setup as runtime_setup
 from test_study import DEEPSEEK_OFFLOADED, LLAMA_OFFLOADED, STUDY_MEMORY_GIB
@@ -240,9 +241,9 @@ def assert_the_moments_are_written_to_host(row: CompiledRow) -> None:
     report gives move the moments off the device (tests/test_host_state.py: the training)."""
     stats = row.compiled.memory_analysis()
     state = row.program.state_shapes
-    moments = optimizer_state.per_device_bytes(
+    moments = host_state.per_device_bytes(
         [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
-    assert row.arrived == moments == optimizer_state.moment_bytes(state["opt_state"])
+    assert row.arrived == moments == host_state.moment_bytes(state["opt_state"])
     assert stats.host_output_size_in_bytes == moments
     assert row.compiled_memory().arguments == stats.argument_size_in_bytes - moments
 
@@ -313,7 +314,8 @@ def test_a_gpu_run_reports_what_xla_compiled(tmp_path, capsys, monkeypatch):
     assert "python -m study plan|compile llama8b-offload" in out
     assert re.search(r"^memory +[\d.]+ GiB per device of JAX's 133.9 GiB pool "
                      r"\(XLA_CLIENT_MEM_FRACTION=0.95\), 0.00 GiB in pinned host memory "
-                     r"\(compiled\)$", out, re.M)
+                     r"\(compiled\); over the host link per step [\d.]+ [GMK]iB to host, "
+                     r"[\d.]+ [GMK]iB back \(traced\)$", out, re.M)
     assert "offloaded, per layer and device, in this run's compiled program:" in out
     assert out.count("NOT in host memory in the compiled program") == 3
 
@@ -575,3 +577,73 @@ def test_preset_autos_candidates_compile_for_gpus_this_machine_lacks():
     assert (own[1], own[2]) == (f"{setup.fit.memory.device / GiB:.1f}",
                                 f"{setup.fit.memory.host / GiB:.1f}")
     assert all(r[3] in ("yes |", "no |") for r in rows)
+
+
+# parameters=host (offload/state.py): the layer scans' weights in host memory, two layers per
+# scan, narrow (what is under test is where the state lies, not the layers' width): Llama on
+# llama8b-offload's 8 GB200s; DeepSeek with its moments in host memory too, on one H200.
+HOST_PARAMETERS = {
+    "llama": ("llama8b-offload", "gb200", 8,
+              ["model.n_layers=2", "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2",
+               "model.d_ff=3584", "model.vocab=4096", "seq=128", "per_device_batch=1"]),
+    "deepseek": ("deepseek671b-offload", "h200", 1,
+                 [*NARROW_DEEPSEEK[:-1], "model.n_dense_layers=2"]),
+}
+
+
+@functools.cache
+def host_parameters_row(family: str, parameters: str = "host") -> CompiledRow:
+    name, gpu, count, words = HOST_PARAMETERS[family]
+    target = gpus(gpu, count)
+    setup = runtime_setup.resolve(name, [*words, f"parameters={parameters}"], target.devices)
+    return compile_row(setup, GPUS[gpu], target)
+
+
+def layer_weights(row: CompiledRow) -> list:
+    """The layer scans' stacked weights of a row's state (sharded ShapeDtypeStructs)."""
+    params = row.program.state_shapes["params"]
+    return [x for scan in families.of(row.setup.model).SCANS for x in jax.tree.leaves(params[scan])]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("family", ["llama", pytest.param("deepseek", marks=pytest.mark.slow)])
+def test_with_parameters_on_host_each_layer_reads_its_weights_and_writes_its_gradient_there(
+        family):
+    """Every stacked weight of every layer scan, and its gradient, in a host buffer of the
+    compiled GPU program: the forward pass reads the weights layer 0 first, the backward pass
+    layer 1 first, and writes each layer's gradient once, layer 1 first, each from the bytes
+    meant (study/programs/addressing.py); the row's activations are still offloaded and read
+    back as without it. The compile-only program takes the host state as device arguments
+    (study/compiling/compiled_row.py): the weights, and the moments where they are on host."""
+    row = host_parameters_row(family)
+    name, *_ = HOST_PARAMETERS[family]
+    params = row.program.state_shapes["params"]
+    assert [(w.scan, w.name) for w in row.host_weights] == [
+        (scan, jax.tree_util.keystr(path, simple=True, separator="/"))
+        for scan in families.of(row.setup.model).SCANS
+        for path, _ in jax.tree_util.tree_leaves_with_path(params[scan])]
+    for weight in row.host_weights:
+        assert (weight.weights.verdict, weight.weights.detail) == (addressing.CHECKED, (
+            "the forward pass reads layer 0 first, the backward pass layer 1 first, the update "
+            "reads and writes each over, layer 0 first: checked"))
+        assert (weight.gradient.verdict, weight.gradient.detail) == (
+            addressing.CHECKED, "the backward pass writes layer 1 first: checked")
+    assert {(line.value.scan, line.value.tag) for line in row.run_tags
+            if line.in_host_memory} == IN_HOST_MEMORY[name]
+    assert all(line.addressing.holds for line in row.run_tags if line.in_host_memory)
+    moments = (host_state.moment_bytes(row.program.state_shapes["opt_state"])
+               if row.setup.run.optimizer_state == "host" else 0)
+    assert row.arrived == host_state.per_device_bytes(layer_weights(row)) + moments
+    lines = compiled_row.host_weight_lines(row.host_weights)
+    assert len(lines) == 1 + len(row.host_weights) + len(families.of(row.setup.model).SCANS)
+
+
+@pytest.mark.gpu_compile
+def test_parameters_on_host_take_the_layer_weights_and_their_gradients_off_the_device():
+    """The same Llama step with its layers' weights on the device and in host memory: the
+    device arguments lose the weights' bytes exactly, the device total at least the weights'
+    and their gradients' (a layer of each is on the device at a time)."""
+    host, device = (host_parameters_row("llama", p).compiled_memory() for p in ("host", "device"))
+    weights = host_state.per_device_bytes(layer_weights(host_parameters_row("llama")))
+    assert device.arguments - host.arguments == weights
+    assert device.device - host.device >= 2 * weights

@@ -8,7 +8,8 @@ activations and transposed weights. What the plan leaves out (XLA's temporaries,
 and fragmentation, one layer's backward, the loss) does not grow with the depth, so the two
 differences agree, and a term wrong by a fraction of itself lands far outside. (8 and 16: at
 2 and 4 layers XLA lays out the sharded temporaries differently at each depth, by 1.5 MiB.)
-Per-step terms are compared on whole steps."""
+Per-step terms are compared on whole steps. The plan's terms for the state in host memory
+(parameters=host) are checked against the abstract state's shapes alone, with no compiler."""
 
 import functools
 import typing
@@ -17,14 +18,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from offload.optimizer_state import per_device_bytes
-from runtime.own_program import CompiledMemory
-from study.plan import memory_plan
+from model import families
+from offload.state import moment_bytes, per_device_bytes
+from runtime.own_program import CompiledMemory, size_words
+from study.plan import memory_plan, printed
+from study.plan.traced_step import traced_step
 from study.command_line import study_setup
 from study.compiling.compiled_row import compile_row
 from test_gpu_compile import gpus
 
-pytestmark = pytest.mark.gpu_compile
+GPU_COMPILE = pytest.mark.gpu_compile  # the compiled programs' tests; the static plan's need none
 
 # Llama 3.1 8B's family, 1024 wide, a 4k vocabulary, on llama8b-offload's 8 GB200s with its
 # settings (bf16 compute, fp32 masters and moments, the loss in 8 chunks) unless overridden.
@@ -44,8 +47,8 @@ PER_LAYER = {
 # What each figure of the compiled program holds, by the plan: its state in the arguments; the
 # rest of its peak (gradients, activations on device, one layer's backward, the transposed
 # weights) in XLA's temporaries.
-FIGURES = {"arguments": lambda p: p.params + p.device_optimizer,
-           "temporaries": lambda p: p.peak_estimate - p.params - p.device_optimizer,
+FIGURES = {"arguments": lambda p: p.device_params + p.device_optimizer,
+           "temporaries": lambda p: p.peak_estimate - p.device_params - p.device_optimizer,
            "host": lambda p: p.host_activations}
 LM_HEAD = ("the plan has no term for the LM head's backward: in each loss chunk XLA gathers "
            "the head in the compute dtype (for the logits, and again for their gradient) and "
@@ -84,6 +87,7 @@ FIGURE_TERMS = {
 }
 
 
+@GPU_COMPILE
 @pytest.mark.parametrize("config", list(FIGURE_TERMS))
 def test_more_layers_add_what_the_plan_adds(config):
     """What 8 more layers add to a figure of the compiled program (its state arguments, its
@@ -113,6 +117,7 @@ WHOLE = {
 }
 
 
+@GPU_COMPILE
 @pytest.mark.parametrize("config, figure", [
     ("a large vocabulary", "arguments"),
     pytest.param("a large vocabulary", "device",
@@ -128,16 +133,17 @@ def test_a_whole_step_holds_what_the_plan_holds(config, figure):
     chunk's logits; workspaces; fragmentation) is tens of MiB of a total of about 2 GiB."""
     step = compiled_step(*WHOLE[config])
     if figure == "arguments":
-        assert step.compiled.arguments == (step.plan.params + step.plan.device_optimizer
+        assert step.compiled.arguments == (step.plan.device_params + step.plan.device_optimizer
                                            + step.inputs)
     else:
         assert step.compiled.device == pytest.approx(step.plan.peak_estimate, rel=0.05)
 
 
+@GPU_COMPILE
 def test_host_memory_holds_the_activations_and_the_state():
     """optimizer_state=host, many times the moments' bytes in offloaded activations: the plan's
-    host peak (the activations; the state, and its new copy written once the backward pass
-    has freed them) is in the compiled program's host buffers, and at most the moments' first
+    host peak (the activations and the state, updated in place) is in the compiled program's
+    host buffers, and at most the moments' first
     copy more: a compile-only program takes them as device arguments (`arrived`) and moves
     them to host itself, into the activations' freed space or not, as XLA schedules it. Its
     device arguments are the planned device state (no moments) and the batch, to the byte."""
@@ -145,10 +151,30 @@ def test_host_memory_holds_the_activations_and_the_state():
                                              "optimizer_state=host"))
     assert step.plan.host_activations > 10 * step.plan.optimizer > 0
     assert step.plan.host_peak <= step.compiled.host <= step.plan.host_peak + step.arrived
-    assert step.compiled.arguments == (step.plan.params + step.plan.device_optimizer
+    assert step.compiled.arguments == (step.plan.device_params + step.plan.device_optimizer
                                        + step.inputs)
 
 
+@GPU_COMPILE
+def test_the_layer_weights_on_host_leave_the_compiled_device_memory_as_planned():
+    """parameters=host, 8 narrow layers over 8 devices: the compiled program's device total
+    drops by the layer scans' weights, their gradients and XLA's transposed copies of the
+    stacks (within 0.1%: with jax 0.12.0.1, 32 KiB of 122 MiB), and its host buffers hold the
+    plan's host line, to the byte. (The
+    layer fetched from host adds nothing here: this step's peak lies in the LM head's
+    backward, which the plan leaves out (LM_HEAD), so its device total stays above.)"""
+    overrides = (*NARROW, *SHORT, "model.n_layers=8")
+    device = compiled_step("llama8b-offload", overrides)
+    host = compiled_step("llama8b-offload", (*overrides, "parameters=host"))
+    weights = host.plan.host_params
+    assert weights > 0 and device.plan.transposed_weights > 0
+    assert device.compiled.device - host.compiled.device == pytest.approx(
+        2 * weights + device.plan.transposed_weights, rel=1e-3)
+    assert host.compiled.host == host.plan.host_peak
+    assert host.plan.peak_estimate == pytest.approx(host.compiled.device, rel=0.05)
+
+
+@GPU_COMPILE
 def test_the_compiled_host_bytes_count_a_donated_host_buffer_once():
     """Guards the class: the compiled host bytes counting a buffer twice or not at all (a
     donated host argument and the output written over it both counted; host temporaries left
@@ -171,3 +197,78 @@ def test_the_compiled_host_bytes_count_a_donated_host_buffer_once():
         moment, grad).lower().compile()
     assert compiled.memory_analysis().host_alias_size_in_bytes > 0  # donated in host memory
     assert CompiledMemory.of(compiled).host == 1024 * 256 * 4
+
+
+# The study's rows at full width, a few layers each (DeepSeek: dense and MoE scans, experts split
+# over 8 devices): the static plan only, traced from abstract values.
+STATE_ON_HOST = {"llama405b-offload": ["model.n_layers=4"],
+                 "deepseek671b-offload": ["model.n_layers=5", "model.n_dense_layers=2"]}
+
+
+class Planned(typing.NamedTuple):
+    plan: memory_plan.MemoryPlan
+    lines: list[str]  # its memory lines, as printed
+    state: dict  # the abstract train state it read
+    scans: list  # the state's stacked layer weights, one tree per layer scan
+
+
+def planned(name: str, *overrides: str) -> Planned:
+    """`python -m study plan NAME OVERRIDES...`."""
+    setup, gpu = study_setup(name, list(overrides))
+    run = setup.run
+    state = traced_step(setup.model, run, run.mesh.shape(run.mesh.devices)).state
+    plan = memory_plan.full_scale(setup.experiment, gpu, setup.placement)
+    return Planned(plan, printed.memory_lines(plan, gpu, run), state,
+                   [state["params"][s] for s in families.of(setup.model).SCANS])
+
+
+@pytest.mark.parametrize("name", list(STATE_ON_HOST))
+def test_the_layer_weights_on_host_leave_the_device_plan_for_the_host_line(name):
+    """parameters=host, from the abstract state's shapes: the device figure loses the layer
+    scans' weights and gradients (and the stacked copies XLA transposes), and gains the widest
+    layer's weights and gradient while its backward pass runs; the host line gains the weights
+    and gradients (the update writes them over themselves); the host link
+    carries, as the traced step moves them, the weights' bytes four times to the device (a
+    layer's weights for its forward pass and its recompute, model/layers.py; its gradient
+    and weights for the update, offload/state.py: the global norm is summed in the backward
+    pass) and twice back (gradients, new weights) per step, and DeepSeek's router bias once
+    more each way for its own update (trainer/step.py). Nothing else changes."""
+    device = planned(name, *STATE_ON_HOST[name]).plan
+    host, lines, _, scans = planned(name, *STATE_ON_HOST[name], "parameters=host")
+    weights = per_device_bytes(scans)
+    widest = max(per_device_bytes(scan) // jax.tree.leaves(scan)[0].shape[0] for scan in scans)
+    assert host.host_params == weights > 0 and device.host_params == 0
+    assert (device.device_params - host.device_params, device.device_grads - host.device_grads
+            ) == (weights, weights)
+    assert device.peak_estimate - host.peak_estimate == (2 * weights - 2 * widest
+                                                          + device.transposed_weights)
+    for term in ("optimizer", "device_activations", "layer_working_set", "host_activations",
+                 "pipelined"):
+        assert getattr(host, term) == getattr(device, term), term
+    assert device.host_activations > weights
+    assert host.host_peak - device.host_peak == 2 * weights
+    bias = per_device_bytes([scan["router_bias"] for scan in scans if "router_bias" in scan])
+    assert (bias > 0) == name.startswith("deepseek")
+    to_device, to_host = 4 * weights + bias, 2 * weights + bias
+    assert (host.link, device.link) == ((to_device, to_host), (0, 0))
+    assert any(line.startswith("parameters") and f"{size_words(to_device)} host->device and "
+               f"{size_words(to_host)} device->host over the host link per step" in line
+               for line in lines)
+
+
+def test_the_moments_and_the_weights_on_host_cross_the_host_link_each_as_alone():
+    """optimizer_state=host moves the moments (the optimizer state but its 0-d step counts)
+    once each way per step; with parameters=host as well, both moves add up, and the host
+    line holds the weights, their gradients and the moments beside the activations (the
+    update writes the state over itself)."""
+    name, overrides = "llama405b-offload", STATE_ON_HOST["llama405b-offload"]
+    moments, _, state, scans = planned(name, *overrides, "optimizer_state=host")
+    both = planned(name, *overrides, "optimizer_state=host", "parameters=host").plan
+    weights = per_device_bytes(scans)
+    m = per_device_bytes([x for x in jax.tree.leaves(state["opt_state"]) if x.ndim])
+    assert moment_bytes(state["opt_state"]) == m > 0
+    assert moments.link == (m, m)
+    assert both.link == (4 * weights + m, 2 * weights + m)
+    assert both.link_params == (4 * weights, 2 * weights)
+    held = weights + both.moments  # between steps
+    assert both.host_peak == held + weights + both.host_activations

@@ -9,6 +9,7 @@ import pytest
 
 from study.programs import hlo
 from study.timing import predicted_step, replay
+from study.hardware.compile_only import ARRIVAL
 from study.hardware.gpus import GPUS
 
 N = 1 << 20  # elements of the f32 vectors below: 4 MiB each
@@ -27,6 +28,9 @@ ADD_S = 12 * MiB / GPU.hbm  # the add kernel: two 4 MiB reads, one 4 MiB write
 EIGHT = "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
 
 
+# The copies to host memory below copy a value the step makes (%v, a bitcast of its argument,
+# which costs nothing): XLA's copy of an argument itself to host memory is a compile-only
+# program's arrival of the host state, which the replay leaves out.
 def module(entry: str, *computations: str) -> hlo.Module:
     lines = "\n".join(f"  {line}" for line in entry.strip().splitlines())
     return hlo.parse_module("HloModule m, is_scheduled=true\n\n" + "\n".join(computations)
@@ -185,7 +189,8 @@ def host_copy(host_link: float, gpus_per_link: int = 1) -> replay.Replay:
     """4 MiB copied to pinned host memory while the add runs."""
     return step(f"""
 %a = f32[{N}]{{0}} parameter(0)
-%c = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
+%v = f32[{N}]{{0}} bitcast(%a)
+%c = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%v)
 %sum = f32[{N}]{{0}} fusion(%a, %a), kind=kLoop, calls=%add_f
 %cd = f32[{N}]{{0:S(5)}} copy-done(%c)
 ROOT %t = (f32[{N}]{{0}}, f32[{N}]{{0:S(5)}}) tuple(%sum, %cd)
@@ -205,10 +210,11 @@ def test_a_host_copy_shorter_than_the_compute_it_overlaps_is_hidden_a_longer_one
 
 
 def test_copies_one_way_queue_on_one_link_the_two_directions_run_at_once():
-    out = f"(f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%a)"
+    out = f"(f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%v)"
     back = f"(f32[{N}]{{0}}, f32[{N}]{{0:S(5)}}, u32[]) copy-start(%h)"
     one_way = step(f"""
 %a = f32[{N}]{{0}} parameter(0)
+%v = f32[{N}]{{0}} bitcast(%a)
 %c1 = {out}
 %c2 = {out}
 %d1 = f32[{N}]{{0:S(5)}} copy-done(%c1)
@@ -219,6 +225,7 @@ ROOT %t = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0:S(5)}}) tuple(%d1, %d2)
     assert one_way.step_s == pytest.approx(2 * copy_s, rel=1e-9)
     both_ways = step(f"""
 %a = f32[{N}]{{0}} parameter(0)
+%v = f32[{N}]{{0}} bitcast(%a)
 %h = f32[{N}]{{0:S(5)}} parameter(1)
 %c1 = {out}
 %c2 = {back}
@@ -252,6 +259,41 @@ ROOT %out = f32[{N}]{{0}} get-tuple-element(%loop), index=1
 """, ADD, BODY, keep_slices=True)
     assert result.step_s == pytest.approx(5 * ADD_S, rel=1e-9)
     assert [s[5] for s in result.slices] == [(k,) for k in range(5)]  # the iterations
+
+
+# A loop body as a layer of parameters=host: its weights (4 MiB) from host memory, its new
+# weights back.
+HOST_BODY = f"""%host_body (s: (s32[], f32[{N}])) -> (s32[], f32[{N}]) {{
+  %s = (s32[], f32[{N}]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[{N}]{{0}} get-tuple-element(%s), index=1
+  %h = f32[{N}]{{0:S(5)}} copy(%x)
+  %y = f32[{N}]{{0}} copy(%h)
+  ROOT %r = (s32[], f32[{N}]{{0}}) tuple(%i, %y)
+}}
+"""
+
+
+def test_the_bytes_over_the_host_link_are_counted_each_way_every_trip_but_the_arrival():
+    """The replay counts the bytes each host copy moves, per direction, once per loop trip
+    (a layer's weights over the host link, as parameters=host moves them); a compile-only
+    program's first move of the host state (on a GPU it is there) is left out, its bytes as
+    its time: named (`ARRIVAL`), or XLA's unnamed copy of a whole argument to host memory.
+    Synchronous copies: all exposed."""
+    trips = 'backend_config={"known_trip_count":{"n":"5"}}'
+    result = step(f"""
+%a = f32[{N}]{{0}} parameter(0)
+%arrived = f32[{N}]{{0:S(5)}} copy(%a), metadata={{op_name="jit(step)/{ARRIVAL}/device_put"}}
+%c = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
+%unnamed = f32[{N}]{{0:S(5)}} copy-done(%c)
+%zero = s32[] constant(0)
+%init = (s32[], f32[{N}]{{0}}) tuple(%zero, %a)
+%loop = (s32[], f32[{N}]{{0}}) while(%init), condition=%cond, body=%host_body, {trips}
+ROOT %out = f32[{N}]{{0}} get-tuple-element(%loop), index=1
+""", HOST_BODY)
+    assert result.moved == {"to host": 5 * 4 * MiB, "from host": 5 * 4 * MiB}
+    assert result.step_s == pytest.approx(10 * 4 * MiB / GPU.host_link, rel=1e-9)
+    assert result.exposed["to host"] == pytest.approx(5 * 4 * MiB / GPU.host_link, rel=1e-9)
 
 
 def gemm(m: int, k: int, n: int, dtype: str = "bf16") -> str:
@@ -402,7 +444,8 @@ def five_streams(gather_s: float) -> replay.Replay:
 %h = f32[{2 * N}]{{0:S(5)}} parameter(1)
 %w = f32[{N // 8}]{{0}} bitcast(%a)
 %ag = (f32[{N // 8}]{{0}}, f32[{N}]{{0}}) all-gather-start(%w), {EIGHT}
-%out = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
+%v = f32[{N}]{{0}} bitcast(%a)
+%out = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%v)
 %in = (f32[{2 * N}]{{0}}, f32[{2 * N}]{{0:S(5)}}, u32[]) copy-start(%h)
 %cp = (f32[{N}]{{0}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
 %sum = f32[{N}]{{0}} fusion(%a, %a), kind=kLoop, calls=%add_f

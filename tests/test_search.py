@@ -54,6 +54,25 @@ def test_predicted_memory_is_the_static_plans(name):
     assert predicted(row.name).device_bytes == planned.peak_estimate
 
 
+def test_the_layer_weights_on_host_are_the_static_plans_and_cross_the_host_link():
+    """parameters=host (the run's: not searched): the search's memory for a row is the static
+    plan's, device and host, and its exposed host transfers grow by the weights' traced bytes
+    to the device over an H100's host link (an upper bound: the update's cannot hide, the
+    layers' fetches might)."""
+    row = configs.get("llama405b-offload")
+    on_host = dataclasses.replace(row, run=dataclasses.replace(row.run, parameters="host"))
+    tracer, hw = Tracer(on_host, gpu_of(row.name)), ps.hardware(GPUS["h100"], 128)
+    found = tracer.exact(ps.row_candidate(tracer, on_host), hw)
+    planned = memory_plan.full_scale(on_host, gpu_of(row.name),
+                                     runtime_setup.resolve_placement(row.model, row.run))
+    assert planned.host_params > 0
+    assert (found.device_bytes, found.host_bytes) == (planned.peak_estimate, planned.host_peak)
+    plain = predicted(row.name, "h100")
+    assert found.terms.host_s - plain.terms.host_s == pytest.approx(
+        planned.link_params[0] / hw.host_link, rel=1e-9)
+    assert found.terms.compute_s == pytest.approx(plain.terms.compute_s, rel=1e-9)
+
+
 def test_an_all_to_all_crosses_the_nics_only_for_what_leaves_its_nvlink_domain():
     """Seconds per byte, by hand: 4 GPUs of a domain of 8 send 3/4 of the bytes over NVLink;
     16 GPUs in two domains send 7/16 over NVLink while 8/16 cross the NICs at once."""

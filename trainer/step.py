@@ -64,24 +64,32 @@ def update_router_bias(params, expert_load, rate: float):
     load = expert_load.astype(jnp.float32)
     step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
     moe = params["moe_layers"]
-    bias = jax.device_put(moe["router_bias"], DEVICE) + step  # (parameters=host: from host)
-    bias = jax.device_put(bias, jax.typeof(moe["router_bias"]).memory_space)
+    bias, space = moe["router_bias"], jax.typeof(moe["router_bias"]).memory_space
+    if space == DEVICE:
+        bias = bias + step
+    else:  # parameters=host: added on the device, written back to host
+        with jax.named_scope(host_state.SCOPE):
+            bias = jax.device_put(jax.device_put(bias, DEVICE) + step, space)
     return {**params, "moe_layers": {**moe, "router_bias": bias}}
 
 
 def train_step(state, batch, *, model, run: RunConfig, options):
     """One step of `run` for `model`, its forward as `options` say: the loss's gradients,
     clipping and AdamW's update (the moments and, parameters=host, the layers' weights on the
-    device or in host memory: offload/state.py), DeepSeek's router bias. The step's key is a function of (seed,
-    step), so a resumed run draws the same bits; the experts' drops are reported apart for
-    each device of the expert axis."""
+    device or in host memory: offload/state.py), DeepSeek's router bias. The step's key is a
+    function of (seed, step), so a resumed run draws the same bits; the experts' drops are
+    reported apart for each device of the expert axis."""
     key = jax.random.fold_in(jax.random.key(run.seed), state["step"])
     loss = partial(loss_fn, model=model, options=options, balance_weight=run.balance_loss_weight,
                    loss_chunks=run.loss_chunks)
-    (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch, key)
-    _, adamw = optimizer_parts(run.optimizer, run.steps)
     scans = families.of(model).SCANS
-    norm = host_state.global_norm(grads, scans)
+    params = state["params"]
+    if run.parameters == "host":  # each layer's share of the norm taken as its gradient is made
+        params = host_state.with_norm_probes(params, scans)
+    (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, key)
+    grads, squares = host_state.norm_probes(grads, scans)
+    _, adamw = optimizer_parts(run.optimizer, run.steps)
+    norm = host_state.global_norm(grads, scans, squares)
     params, opt_state = host_state.update(
         grads, state["opt_state"], state["params"], norm, run.optimizer.clip_norm, adamw, scans,
         params_on_host=run.parameters == "host", moments_on_host=run.optimizer_state == "host")

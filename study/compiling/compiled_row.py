@@ -8,14 +8,15 @@ from functools import partial
 
 import jax
 
-from offload.optimizer_state import HOST, moment_bytes
-from runtime.own_program import CompiledMemory
+from offload.state import HOST, per_device_bytes
+from runtime.own_program import CompiledMemory, size_words
 from runtime.setup import Setup
 from study.plan import memory_plan
 from study.hardware.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
 from study.hardware.gpus import Gpu
 from study.plan.traced_step import traced_step
-from trainer.program import Program
+from study.programs import offload_proof
+from trainer.program import Program, abstract_state
 from trainer.step import train_step
 from trainer.target import Target
 
@@ -23,8 +24,9 @@ from trainer.target import Target
 @dataclasses.dataclass
 class CompiledRow:
     """The compiled step; the plan and the placement list are traced when first asked for.
-    `arrived`: bytes of host optimizer state the compile-only program takes as device
-    arguments (on a GPU they arrive in host memory)."""
+    `arrived`: bytes of the host state (parameters=host: the layer scans' weights,
+    optimizer_state=host: the moments) the compile-only program takes as device arguments (on
+    a GPU they arrive in host memory)."""
     setup: Setup
     gpu: Gpu
     program: Program
@@ -68,36 +70,103 @@ class CompiledRow:
         step = traced_step(self.setup.model, self.setup.run, self._mesh_shape)
         return memory_plan.tag_lines(step, self.setup.placement, self.hlo)
 
+    @functools.cached_property
+    def host_weights(self) -> list[offload_proof.LayerWeight]:
+        """parameters=host: each layer scan's stacked weights, per device, with the compiled
+        program's host buffers of them and of their gradients (none otherwise)."""
+        on_host = in_host_memory(self.program)["params"]
+        stacked = {scan: {jax.tree_util.keystr(path, simple=True, separator="/"): (
+                              tuple(x.sharding.shard_shape(x.shape)), str(x.dtype))
+                          for path, x in jax.tree_util.tree_leaves_with_path(params)}
+                   for scan, params in self.program.state_shapes["params"].items()
+                   if all(jax.tree.leaves(on_host[scan]))}
+        return offload_proof.compiled_layer_weights(self.hlo, stacked) if stacked else []
 
-def arriving(step_function):
-    """The step, its optimizer state's moments first moved to host memory (in ARRIVAL).
-    It takes the moments apart from the donated parameters and returns the new parameters
-    first: JAX pairs a donated input with the first output of its shape, and without memory
-    kinds a new moment (in host memory) looks like a parameter."""
-    def step(state, opt_state, batch):
+
+def in_host_memory(program: Program) -> dict:
+    """Per leaf of the train state, whether a GPU run keeps it in pinned host memory: the
+    shardings `abstract_state` gives on the program's abstract mesh (on compile-only devices
+    they come back without memory kinds)."""
+    rules = dataclasses.replace(program.rules, mesh=program.mesh.abstract_mesh)
+    state = abstract_state(program.model, program.run, rules, program.optimizer)
+    return jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", state)
+
+
+def _split(state: dict, on_host: dict) -> tuple[dict, dict]:
+    """(the leaves `on_host` says stay on the device, those it says lie in host memory), each
+    tree with None at the other's leaves."""
+    return (jax.tree.map(lambda x, host: None if host else x, state, on_host),
+            jax.tree.map(lambda x, host: x if host else None, state, on_host))
+
+
+def arriving(step_function, on_host: dict):
+    """The step, the state's leaves a GPU run keeps in host memory (`on_host`: parameters=host
+    the layer scans' weights, optimizer_state=host the moments) taken as device arguments and
+    first moved to host memory (in ARRIVAL). It takes them apart from the donated rest of the
+    state and returns the new rest first: JAX pairs a donated input with the first output of
+    its shape, and without memory kinds a new host leaf looks like a device one."""
+    def step(kept, arrived, batch):
         with jax.named_scope(ARRIVAL):
-            moments = jax.tree.map(lambda x: jax.device_put(x, HOST) if x.ndim else x,
-                                   opt_state)
-        new, metrics = step_function({**state, "opt_state": moments}, batch)
-        return (new["params"], new["step"]), new["opt_state"], metrics
+            arrived = jax.tree_util.tree_map_with_path(_arrive, arrived)
+        state = jax.tree.map(lambda host, a, k: a if host else k, on_host, arrived, kept)
+        new, metrics = step_function(state, batch)
+        return *_split(new, on_host), metrics
     return step
+
+
+def _arrive(path, x):
+    """A host leaf moved to host memory; a layer scan's stacked one a layer at a time, into a
+    buffer the program makes (XLA updates a layer scan's host state in place, which it allows
+    in a buffer of its own or an argument in host memory, not one copied from the device)."""
+    if not any(getattr(k, "key", None) in SCAN_KEYS for k in path):
+        return jax.device_put(x, HOST)
+    return jax.lax.scan(lambda _, layer: (None, jax.device_put(layer, HOST)), None, x)[1]
+
+
+SCAN_KEYS = {"layers", "dense_layers", "moe_layers"}
 
 
 def compile_row(setup: Setup, gpu: Gpu, target: Target | None = None) -> CompiledRow:
     """`setup`'s step compiled as a run on `gpu`s would (one `target` for several rows)."""
     target = target or compile_only(gpu, setup.run.mesh.devices)
     program = Program(setup.model, setup.run, setup.placement, target)
-    if setup.run.optimizer_state == "host":
+    on_host = in_host_memory(program)
+    if not any(jax.tree.leaves(on_host)):
         with kernel_checks(target):
-            shapes = dict(program.state_shapes)
-            opt_state = shapes.pop("opt_state")
-            step = partial(train_step, model=program.model, run=program.run,
-                           options=program.options)
-            traced = jax.jit(arriving(step), donate_argnums=0).trace(
-                shapes, opt_state, program.batch_shape)
-            compiled = program.compile(traced, DEVICELESS)
-        return CompiledRow(setup, gpu, program, compiled,
-                           moment_bytes(program.state_shapes["opt_state"]))
+            program.step = program.compile(program.traced, DEVICELESS)  # the run's own, compiled
+        return CompiledRow(setup, gpu, program, program.step)
+    step = arriving(partial(train_step, model=program.model, run=program.run,
+                            options=program.options), on_host)
+    kept, arrived = _split(program.state_shapes, on_host)
     with kernel_checks(target):
-        program.step = program.compile(program.traced, DEVICELESS)  # the run's own, compiled
-    return CompiledRow(setup, gpu, program, program.step)
+        traced = jax.jit(step, donate_argnums=0).trace(kept, arrived, program.batch_shape)
+        compiled = program.compile(traced, DEVICELESS)
+    return CompiledRow(setup, gpu, program, compiled, per_device_bytes(arrived))
+
+
+def host_weight_lines(weights: list[offload_proof.LayerWeight]) -> list[str]:
+    """parameters=host: per layer scan, each stacked weight and where the compiled program
+    keeps it and its gradient, as the placement list prints the offloaded activations."""
+    if not weights:
+        return []
+    out = [f"{'scan':<13}{'weight':<20}{'stacked, per device':<26}{'bytes':>9}  compiled GPU "
+           "program (XLA): the weights; their gradients"]
+    for w in weights:
+        shape = "x".join(map(str, w.shape)) + f" {w.dtype}"
+        out.append(f"{w.scan:<13}{w.name:<20}{shape:<26}"
+                   f"{size_words(w.nbytes):>9}  {_where(w.weights)}; {_where(w.gradient)}")
+    for scan in dict.fromkeys(w.scan for w in weights):
+        held = sum(w.nbytes for w in weights if w.scan == scan and w.weights)
+        grads = sum(w.nbytes for w in weights if w.scan == scan and w.gradient)
+        out.append(f"in host memory ({scan}): weights {size_words(held)}, gradients "
+                   f"{size_words(grads)}, fetched and written a layer at a time")
+    return out + [f"{w.scan} {w.name}: {what} addressing {proof.verdict}: {proof.detail}"
+                  for w in weights for what, proof in (("weights", w.weights),
+                                                       ("gradient", w.gradient))
+                  if proof is not None and not proof.holds]
+
+
+def _where(proof) -> str:
+    if proof is None:
+        return "NOT IN HOST MEMORY"
+    return f"pinned host S(5), {proof.summary}"

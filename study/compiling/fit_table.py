@@ -21,7 +21,7 @@ from offload import activations
 from runtime import auto, backend
 from runtime import fit as fits
 from runtime.own_program import GiB
-from runtime.setup import Setup, resolve
+from runtime.setup import Setup, resolve, with_state
 from study import command_line
 from study.timing import predicted_step
 from study.hardware.compile_only import compile_only, host_limit, kernel_checks, pool_bytes
@@ -86,8 +86,9 @@ def candidate_lines(setup: Setup, gpu: Gpu, gpus: int) -> list[str]:
     whether it is within the budget (a run there times those that are)."""
     target = compile_only(gpu, gpus)
 
-    def measure(placement):
-        row = compile_row(dataclasses.replace(setup, placement=placement), gpu, target)
+    def measure(candidate: auto.Candidate):
+        row = compile_row(dataclasses.replace(setup, run=with_state(setup.run, candidate),
+                                              placement=candidate.placement), gpu, target)
         return row.compiled_memory(), row.program
     budget = machine_budget(gpu, gpus, setup.run.fit_memory)
     lines = [f"preset=auto at {setup.fit.layers} layers on {gpus} x {gpu.name} (budget "

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from configs import PIPELINED, Experiment
-from offload.optimizer_state import per_device_bytes
+from offload.state import moment_bytes, per_device_bytes
 from study.hardware.compile_only import pool_bytes
 from study.hardware.gpus import Gpu
 from study.plan.traced_step import TracedStep, traced_step
@@ -41,7 +41,14 @@ class MemoryPlan:
     capacity: int  # device memory
     host_capacity: int  # host memory per device
     matrices: tuple[int, int] | None = None  # NVFP4 layer matrices: compute dtype, as NVFP4
-    optimizer_on_host: bool = False  # optimizer_state=host (offload/optimizer_state.py)
+    optimizer_on_host: bool = False  # optimizer_state=host (offload/state.py)
+    host_params: int = 0  # parameters=host: the layer scans' weights in host memory (their
+    # gradients go there too: the same bytes, model/layers.py's `to_device`)
+    host_layer: int = 0  # parameters=host: a layer's weights and gradient, on the device while
+    # its backward pass runs (`layer_from_host`)
+    moments: int = 0  # the AdamW moments: the optimizer state but its 0-d step counts
+    link: tuple[int, int] = (0, 0)  # the state's bytes per step over the host link, host ->
+    # device and device -> host, traced (TracedStep.state_moves)
     transposed_weights: int = 0  # stacked weights XLA copies for the whole step (plan())
     pipelined: int = 0  # offloaded tensors pipelined host offloading holds a layer longer
 
@@ -61,21 +68,43 @@ class MemoryPlan:
         return _widest_layer([t.value for t in self.tags]) + self.layer_weights + self.exchange
 
     @property
+    def device_params(self) -> int:
+        return self.params - self.host_params
+
+    @property
+    def device_grads(self) -> int:
+        return self.grads - self.host_params
+
+    @property
     def device_optimizer(self) -> int:
         return 0 if self.optimizer_on_host else self.optimizer
 
     @property
+    def host_state(self) -> int:
+        """The state a step keeps in host memory between steps: parameters=host the layer
+        scans' weights, optimizer_state=host the moments (the 0-d step counts stay on the
+        device)."""
+        return self.host_params + (self.moments if self.optimizer_on_host else 0)
+
+    @property
     def host_peak(self) -> int:
-        """Host memory a step needs at once: the offloaded activations; with the optimizer state on
-        host, the state and its new copy, written after the backward pass freed the activations."""
-        if not self.optimizer_on_host:
-            return self.host_activations
-        return self.optimizer + max(self.host_activations, self.optimizer)
+        """Host memory a step needs at once: the offloaded activations; with state on host, that
+        state (the update writes it over itself, a layer at a time) and the layer scans'
+        gradients (parameters=host: written as the backward pass reads the activations)."""
+        return self.host_state + self.host_params + self.host_activations
+
+    @property
+    def link_params(self) -> tuple[int, int]:
+        """The parameters' share of `link` (host -> device, device -> host): the weights and
+        their gradients; the moments (optimizer_state=host) move once each way."""
+        moments = self.moments if self.optimizer_on_host else 0
+        return self.link[0] - moments, self.link[1] - moments
 
     @property
     def peak_estimate(self) -> int:
-        return (self.params + self.grads + self.device_optimizer + self.device_activations
-                + self.layer_working_set + self.transposed_weights + self.pipelined)
+        return (self.device_params + self.device_grads + self.device_optimizer
+                + self.device_activations + self.layer_working_set + self.host_layer
+                + self.transposed_weights + self.pipelined)
 
     @property
     def fits(self) -> bool:
@@ -91,12 +120,12 @@ def per_device_residuals(residuals: list[Residual], param_shapes: set[tuple],
 
 
 def host_state_buffers(step: TracedStep) -> set[tuple]:
-    """Per-device (shape, dtype) of the optimizer state's stacked leaves when it lives on host:
-    the host buffers of a compiled program that are not offloaded activations."""
-    if step.run.optimizer_state != "host":
-        return set()
+    """Per-device (shape, dtype) of the train state's stacked leaves that live in host memory
+    (optimizer_state=host: the moments; parameters=host: the layer scans' weights, and so their
+    gradients and new copies): the host buffers of a compiled program that are not offloaded
+    activations."""
     return {(tuple(leaf.sharding.shard_shape(leaf.shape)), str(leaf.dtype))
-            for leaf in jax.tree.leaves(step.state["opt_state"]) if leaf.ndim > 1}
+            for leaf in jax.tree.leaves(step.state) if leaf.ndim > 1 and _on_host(leaf)}
 
 
 def tag_lines(step: TracedStep, placement: dict | None,
@@ -133,6 +162,7 @@ def plan(step: TracedStep, placement: dict | None, tags: list[TagLine], capacity
     expert-parallel degree, study/search/tracer.py)."""
     # Shapes of the FSDP-sharded parameters (a device's own experts are whole already).
     shapes = {spec.shape for spec in jax.tree.leaves(step.specs) if not step.split_by_expert(spec)}
+    on_host = step.run.optimizer_state == "host" or step.run.parameters == "host"
     return MemoryPlan(
         params=per_device_bytes(step.state["params"]),
         grads=per_device_bytes(step.state["params"]),
@@ -147,7 +177,26 @@ def plan(step: TracedStep, placement: dict | None, tags: list[TagLine], capacity
         exchange=step.exchange_buffers(), capacity=capacity, host_capacity=host_capacity,
         matrices=step.quantizable_matrices() if step.run.quant != "none" else None,
         optimizer_on_host=step.run.optimizer_state == "host",
+        host_params=per_device_bytes([x for x in jax.tree.leaves(step.state["params"])
+                                      if _on_host(x)]),
+        host_layer=layer_from_host(step), moments=moment_bytes(step.state["opt_state"]),
+        link=step.state_moves(placement) if on_host else (0, 0),
         transposed_weights=transposed_weights(step), pipelined=pipelined(step, tags))
+
+
+def _on_host(leaf) -> bool:
+    return leaf.sharding.memory_kind == "pinned_host"
+
+
+def layer_from_host(step: TracedStep) -> int:
+    """parameters=host: per device, what the widest layer of a scan in host memory holds on the
+    device while its backward pass runs: its weights (`to_device`, again for the recompute) and
+    its gradient before it goes to host memory, each its FSDP shard in the parameters' dtype.
+    (The update brings a layer's weights and gradient, and writes its new weights, after the
+    backward pass has freed the activations.)"""
+    return 2 * max((per_device_bytes(step.state["params"][s]) // step.layers[s]
+                    for s in step.scans
+                    if any(map(_on_host, jax.tree.leaves(step.state["params"][s])))), default=0)
 
 
 def pipelined(step: TracedStep, tags: list[TagLine]) -> int:
@@ -163,12 +212,16 @@ def transposed_weights(step: TracedStep) -> int:
     whole step: those FSDP shards on an axis after their first per-layer one (wo and w_down, on
     their output axis; not the routed experts, on their first). An all-gather concatenates its
     major axis, so XLA lays the stack out sharded axis first, once (a `wrapped_transpose` of the
-    parameter's bytes exactly: tests/test_plan_terms.py). One device gathers and copies nothing."""
+    parameter's bytes exactly: tests/test_plan_terms.py). One device gathers and copies nothing;
+    nor does a stack in host memory (parameters=host: the device holds a layer of it at a time,
+    so no stacked copy: the compiled device total drops by it, tests/test_plan_terms.py)."""
     if step.shards == 1:
         return 0
     copied = []
     for scan in step.scans:
         for leaf in step.state["params"][scan].values():
+            if _on_host(leaf):
+                continue
             sharded = [i for i, axis in enumerate(leaf.sharding.spec) if i and axis is not None]
             if sharded and np.prod(leaf.shape[1:sharded[0]]) > 1:
                 copied.append(leaf)

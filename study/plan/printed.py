@@ -121,9 +121,19 @@ def host_pool_warning(host: float, gpu: Gpu) -> list[str]:
 def memory_lines(plan: memory_plan.MemoryPlan, gpu: Gpu, run: RunConfig) -> list[str]:
     stacked = sum(r.nbytes for r in plan.residuals
                   if not r.on_host and r.shape[:1] and r.shape[0] in plan.layers)
+    to_device, to_host = plan.link_params
     rows = [
-        ("parameters", plan.params, "master weights, FSDP shard"),
-        ("gradients", plan.grads, "same sharding as the parameters"),
+        ("parameters", plan.device_params,
+         "master weights of the embedding, final norm and LM head, FSDP shard; the layer "
+         f"scans' weights ({_size(plan.host_params)}) in pinned host memory, a layer at a "
+         f"time on the device: {_size(to_device)} host->device and {_size(to_host)} "
+         "device->host over the host link per step, with their gradients (parameters=host)"
+         if plan.host_params
+         else "master weights, FSDP shard"),
+        ("gradients", plan.device_grads,
+         "of the embedding, final norm and LM head; the layer scans' go to pinned host memory "
+         "a layer at a time, as the backward pass makes them" if plan.host_params
+         else "same sharding as the parameters"),
         ("optimizer state", plan.device_optimizer,
          f"AdamW moments ({_size(plan.optimizer)}) in pinned host memory, a layer at a time "
          f"on the device for the update: {_size(plan.optimizer)} each way over the host link "
@@ -135,24 +145,32 @@ def memory_lines(plan: memory_plan.MemoryPlan, gpu: Gpu, run: RunConfig) -> list
         ("one layer's backward", plan.layer_working_set,
          "its tagged values, its gathered weights"
          + (f", expert exchange blocks {_size(plan.exchange)}" if plan.exchange else "")),
+        ("layer from host", plan.host_layer,
+         "the widest layer's weights (fetched again for its recompute) and its gradient, FSDP "
+         "shard, while its backward pass runs (parameters=host)"),
         ("transposed weights", plan.transposed_weights,
-         "XLA's copy, for the whole step, of the stacked weights FSDP shards on a later axis"),
+         "XLA's copy, for the whole step, of the stacked weights FSDP shards on a later axis"
+         + ("; none of those in host memory (parameters=host)" if plan.host_params else "")),
         ("pipelined transfers", plan.pipelined,
          "one layer's offloaded tensors, fetched a layer early "
          "(xla_gpu_enable_pipelined_host_offloading; an estimate)"),
     ]
     out = [f"{name:<23}{_size(n):>10}  {why}" for name, n, why in rows
-           if n or name != "pipelined transfers"]
+           if n or name not in ("pipelined transfers", "layer from host")]
     out.append(f"{'peak device (estimate)':<23}{_size(plan.peak_estimate):>10}  "
                f"{_of_pool(plan.peak_estimate, plan, gpu)}; an estimate: NCCL scratch, cuDNN "
                "workspaces and XLA temporaries are not in a static plan")
-    state = (f"; with the optimizer state ({_size(plan.optimizer)}) and its new copy, "
-             "written after the backward pass has freed the activations"
-             if plan.optimizer_on_host else "")
+    held = ([f"the layer scans' weights ({_size(plan.host_params)}), their gradients "
+             f"({_size(plan.host_params)})"] if plan.host_params else []) + (
+        [f"the optimizer state ({_size(plan.optimizer)})"] if plan.optimizer_on_host else [])
+    state = (f"; with {' and '.join(held)}, the state updated in place, a layer at a time"
+             if held else "")
     out.append(f"{'host (pinned)':<23}{_size(plan.host_peak):>10}  of "
                f"{_size(plan.host_capacity)} of host memory per GPU "
                f"({plan.host_peak / plan.host_capacity:.0%}): offloaded activations "
                f"({_size(plan.host_activations)}), stored over the whole forward pass{state}")
+    if any(plan.link):
+        out.append(link_line(plan, gpu))
     if plan.matrices:
         plain, stored = plan.matrices
         out.append(f"{'weights as NVFP4':<23}{_size(stored):>10}  "
@@ -165,30 +183,42 @@ def memory_lines(plan: memory_plan.MemoryPlan, gpu: Gpu, run: RunConfig) -> list
     return out
 
 
+def link_line(plan: memory_plan.MemoryPlan, gpu: Gpu) -> str:
+    """The state's bytes over the host link per step, each way, and their time on `gpu`'s."""
+    rate = gpu.host_link / gpu.host_link_gpus  # each GPU's share, as the replay's
+    to_device, to_host = plan.link
+    return (f"{'host link (state)':<23}{_size(to_device):>10}  host->device per step and "
+            f"{_size(to_host)} device->host (the state's moves, traced from the step): "
+            f"{to_device / rate:.2f} s and {to_host / rate:.2f} s at the {gpu.name}'s "
+            f"{rate / 1e9:.0f} GB/s each way per GPU, the two directions at once")
+
+
 def compiled_lines(compiled: CompiledMemory, plan: memory_plan.MemoryPlan, gpu: Gpu,
                    arrived: int = 0) -> list[str]:
     """XLA's per-device memory of the compiled program beside the static plan: does it fit?
-    `arrived`: the host optimizer state a compile-only program took as device arguments."""
+    `arrived`: the host state (optimizer_state=host, parameters=host) a compile-only program
+    took as device arguments."""
     rows = [
-        ("arguments", compiled.arguments, plan.params + plan.device_optimizer,
+        ("arguments", compiled.arguments, plan.device_params + plan.device_optimizer,
          "the state (parameters, optimizer) and the batch; static: the state"),
         ("outputs - donated", compiled.outputs - compiled.aliased, 0,
          "outputs not written over their donated inputs"),
         ("temporaries", compiled.temporaries,
-         plan.grads + plan.device_activations + plan.layer_working_set
-         + plan.transposed_weights,
+         plan.device_grads + plan.device_activations + plan.layer_working_set
+         + plan.host_layer + plan.transposed_weights,
          "XLA's buffers; static: gradients, activations on device, one layer's backward, "
-         "transposed weights"),
+         + ("a layer from host, " if plan.host_layer else "") + "transposed weights"),
         ("device total", compiled.device, plan.peak_estimate,
          "arguments + outputs - donated + temporaries"),
         ("host (pinned)", compiled.host, plan.host_peak,
          "buffers in memory space S(5): offloaded activations"
+         + (", the layer scans' weights and gradients" if plan.host_params else "")
          + (", the optimizer state" if plan.optimizer_on_host else "")),
     ]
     out = [f"{'per device':<20}{'compiled':>11}{'static plan':>13}"]
     out += [f"{name:<20}{_size(a):>11}{_size(b):>13}  {why}" for name, a, b, why in rows]
     if arrived:
-        out.append(f"the optimizer state's {_size(arrived)}: compile-only GPUs have no "
+        out.append(f"the host state's {_size(arrived)}: compile-only GPUs have no "
                    f"memory kinds (jax {jax.__version__}), so XLA compiled them as device "
                    "arguments moved to host first; on a GPU they arrive in host memory: not in "
                    "the device figures above; the compiled host figure holds that first copy")

@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from study.programs import jaxpr, offload_proof
@@ -28,7 +29,7 @@ from configs import MESH_AXES, RunConfig
 from model import families, quant
 from model.params import ParamSpec, abstract_params, param_count
 from model.sharding import AxisRules
-from runtime.own_program import tagged_in
+from runtime.own_program import tagged_in, walk
 from trainer import program
 from trainer.step import make_optimizer, train_step
 from trainer.target import ANY
@@ -91,8 +92,11 @@ class TracedStep:
 
     def options(self, placement: dict | None, rules: AxisRules | None = None):
         """The forward under `placement` as a GPU runs it (target "any"): sharded, or one
-        device's."""
-        return program.forward_options(self.model, self.run, placement, rules, ANY)
+        device's. One device's weights are plain abstract values, in no memory: it fetches
+        none from host memory (parameters=host moves nothing that is traced alone: the
+        weights, not the activations; the sharded step counts their moves, `state_moves`)."""
+        options = program.forward_options(self.model, self.run, placement, rules, ANY)
+        return options if rules else dataclasses.replace(options, weights_on_host=False)
 
     def loss(self, placement: dict | None, rules: AxisRules | None = None):
         """The loss under `placement` of (params, batch): the sharded step's, or one device's
@@ -126,12 +130,32 @@ class TracedStep:
         """What one device's backward pass keeps from its forward pass under `placement`."""
         return jaxpr.saved_residuals(self.loss(placement), self.local_params, self.local_batch)
 
+    def sharded_step(self, placement: dict | None):
+        """The sharded step under `placement`, jitted as a run jits it."""
+        return jax.jit(partial(train_step, model=self.model, run=self.run,
+                               options=self.options(placement, self.rules)), donate_argnums=0)
+
     @_traced_once
     def exported(self, placement: dict | None) -> set[tuple[str, str]]:
         """(scan, tag) the sharded step exported for a GPU offloads under `placement` (verified)."""
-        step = jax.jit(partial(train_step, model=self.model, run=self.run,
-                               options=self.options(placement, self.rules)), donate_argnums=0)
-        return offload_proof.verify_offloads(step, self.state, self.batch)
+        return offload_proof.verify_offloads(self.sharded_step(placement), self.state, self.batch)
+
+    @_traced_once
+    def state_moves(self, placement: dict | None) -> tuple[int, int]:
+        """Per device, the bytes of the train state one step under `placement` moves over the
+        host link, (host -> device, device -> host): every `device_put` between the memories
+        of a state leaf, or of one layer of a stacked one, times the lengths of the scans
+        around it, at that leaf's shard's bytes: whatever the step moves, so no count here is
+        typed. parameters=host: each layer's weights fetched for its forward pass and again
+        for its recompute, its gradient sent back (model/layers.py), read back with the
+        weights for the update, which writes the new weights (offload/state.py);
+        optimizer_state=host: each layer's moments read and written. Offloaded activations
+        are not counted (no state leaf has their shapes: checked)."""
+        traced = self.sharded_step(placement).trace(self.state, self.batch)
+        activations = {(v.shape, str(v.dtype)) for sites in tagged_in(
+            traced.jaxpr.jaxpr, offloaded=True).values() for v in sites}
+        return _state_moves(traced.jaxpr.jaxpr, _per_device(self.state, self.scans),
+                            activations)
 
     @_traced_once
     def work(self, placement: dict | None) -> jaxpr.Work:
@@ -169,6 +193,45 @@ class TracedStep:
         plain = sum(math.prod(shape) for shape in shapes) * self.compute_bytes
         stored = sum(shape[0] * quant.nvfp4_bytes((math.prod(shape[1:]),), 0) for shape in shapes)
         return plain // self.shards, stored // self.shards
+
+
+def _per_device(state, scans) -> dict[tuple, set[int]]:
+    """(global shape, dtype) -> the bytes one device holds of a value of it, for every leaf of
+    the train state and one layer of each stacked leaf (the layer scans' weights and moments)."""
+    found: dict[tuple, set[int]] = {}
+
+    def add(shape, shard, dtype):
+        found.setdefault((tuple(shape), str(dtype)), set()).add(
+            int(np.prod(shard)) * np.dtype(dtype).itemsize)
+
+    for leaf in jax.tree.leaves(state):
+        add(leaf.shape, leaf.sharding.shard_shape(leaf.shape), leaf.dtype)
+    for scan in scans:
+        for leaf in jax.tree.leaves(state["params"][scan]):
+            add(leaf.shape[1:], leaf.sharding.shard_shape(leaf.shape)[1:], leaf.dtype)
+    return found
+
+
+def _state_moves(jaxpr, per_device: dict, activations: set) -> tuple[int, int]:
+    """(host -> device, device -> host) bytes per device of the `device_put`s between two
+    memories of values shaped as the state's (`per_device`: (shape, dtype) -> bytes a device
+    holds), each times the lengths of the scans around it."""
+    moved = {"device": 0, "host": 0}
+    for eqn, count, _, _ in walk(jaxpr):
+        if eqn.primitive.name != "device_put":
+            continue
+        for var, out in zip(eqn.invars, eqn.outvars):
+            source, target = (str(getattr(v.aval, "memory_space", "")).lower() for v in (var, out))
+            key = (tuple(var.aval.shape), str(var.aval.dtype))
+            if source == target or key not in per_device:
+                continue
+            if len(per_device[key]) != 1 or key in activations:
+                raise ValueError(f"a move of {key} cannot be told apart: the shape of state "
+                                 f"leaves of {sorted(per_device[key])} bytes per device"
+                                 + (" and of an offloaded activation" if key in activations
+                                    else ""))
+            moved["host" if "host" in target else "device"] += count * min(per_device[key])
+    return moved["device"], moved["host"]
 
 
 _STEPS: dict[tuple, TracedStep] = {}

@@ -17,7 +17,11 @@ once and read once, and the backward pass's j-th read is the layer of the forwar
 (L-1-j)-th write: "read back layer L-1 first". jaxlib 0.10.2 compiles the reads of host buffers
 with a forward walk (O = 0, S > 0) while the loop passes L-1-i (openxla/xla #46231): silently
 wrong gradients, and the proof says which access and which bytes. A descriptor or a program
-shape it does not understand is CANNOT VERIFY, never a pass."""
+shape it does not understand is CANNOT VERIFY, never a pass.
+
+The layer scans' weights in host memory (parameters=host) are read the same way, from the
+buffer they arrive in: the forward loop reads layer i, the backward loop layer L-1-j, and
+writes each layer's gradient into a stacked host buffer (`prove_walk`)."""
 
 import dataclasses
 import operator
@@ -86,8 +90,9 @@ class _Interpreter:
         self.by_name = {i.name: i for c in module.computations.values() for i in c.instructions}
 
     def run(self) -> list[Access]:
-        entry = self.module.entry
-        self.call(entry, [None] * len(entry.parameters()), ())
+        entry = self.module.entry  # (a GPU run's state in host memory arrives as parameters)
+        self.call(entry, [HostBuffer(p.name, p.shape) if p.shape.on_host else None
+                          for p in entry.parameters()], ())
         return self.accesses
 
     def is_relevant(self, name: str) -> bool:
@@ -123,7 +128,11 @@ class _Interpreter:
         if op == "tuple":
             return tuple(values)
         if op in _PASS_THROUGH:
-            return values[0] if values and (isinstance(values[0], (int, HostBuffer))) else None
+            if values and isinstance(values[0], (int, HostBuffer)):
+                return values[0]
+            # A whole array copied into host memory: the state compile-only devices take as
+            # device arguments (study/hardware/compile_only.py's ARRIVAL).
+            return HostBuffer(i.name, i.shape) if op == "copy-done" and i.shape.on_host else None
         if buffer := _host_buffer(i):
             return buffer
         if op in ("dynamic-slice", "dynamic-update-slice"):
@@ -255,22 +264,37 @@ def _addressed(access: Access, meant: int) -> tuple[int, str]:
     return offset + access.loops[-1].iteration * stride, words
 
 
-def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
-    layers = buffer.shape.dims[0]
-    size = buffer.shape.nbytes // layers  # one layer's bytes
-    walks = {True: [], False: []}
+class _Wrong(Exception):
+    """An access whose bytes are not the ones the program means (the Proof's detail)."""
+
+
+def _layers(buffer: HostBuffer, accesses: list[Access]) -> list[int]:
+    """The layer each access touches, in the order run, where the GPU addresses the bytes the
+    program means (else _Wrong, which says which access and which bytes)."""
+    size = buffer.shape.nbytes // buffer.shape.dims[0]  # one layer's bytes
+    layers, done = [], {True: 0, False: 0}
     for access in accesses:
         meant = _meant(access)
         addressed, how = _addressed(access, meant)
         kind = "write" if access.write else "read"
         if addressed != meant:
-            return Proof(buffer, WRONG, (
-                f"{kind} {len(walks[access.write])} ({access.where}) means layer "
-                f"{meant // size} (the loop passes index {access.start[0]}), but {how} "
-                f"addresses layer {addressed / size:g}: the GPU would {kind} another layer's "
-                f"bytes ({XLA_ISSUE})"))
-        walks[access.write].append(meant // size)
-    writes, reads = walks[True], walks[False]
+            raise _Wrong(f"{kind} {done[access.write]} ({access.where}) means layer "
+                         f"{meant // size} (the loop passes index {access.start[0]}), but {how} "
+                         f"addresses layer {addressed / size:g}: the GPU would {kind} another "
+                         f"layer's bytes ({XLA_ISSUE})")
+        done[access.write] += 1
+        layers.append(meant // size)
+    return layers
+
+
+def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
+    layers = buffer.shape.dims[0]
+    try:
+        touched = _layers(buffer, accesses)
+    except _Wrong as e:
+        return Proof(buffer, WRONG, str(e))
+    writes = [n for n, a in zip(touched, accesses) if a.write]
+    reads = [n for n, a in zip(touched, accesses) if not a.write]
     if sorted(writes) != list(range(layers)) or sorted(reads) != list(range(layers)):
         raise CannotVerify(f"{len(writes)} writes and {len(reads)} reads of {layers} layers, "
                            "not one each")
@@ -282,8 +306,27 @@ def prove_buffer(buffer: HostBuffer, accesses: list[Access]) -> Proof:
     return Proof(buffer, CHECKED, f"read back layer {layers - 1} first: checked")
 
 
+def prove_walk(buffer: HostBuffer, accesses: list[Access], walk: list[tuple[bool, int]],
+               what: str) -> Proof:
+    """A layer scan's state in host memory (parameters=host): its first accesses are `walk`,
+    (write, layer) in order (e.g. the forward pass reading its weights layer 0 first, then the
+    backward pass layer L-1 first), each where the GPU addresses the bytes the program means;
+    every later one reads (the update's), its addressing checked too. `what`: the walk in
+    words."""
+    try:
+        touched = _layers(buffer, accesses)
+    except _Wrong as e:
+        return Proof(buffer, WRONG, str(e))
+    done = [(a.write, n) for a, n in zip(accesses, touched)]
+    if done[:len(walk)] != walk or any(write for write, _ in done[len(walk):]):
+        shown = ", ".join(f"{'write' if w else 'read'} {n}" for w, n in done)
+        return Proof(buffer, WRONG, f"not {what}: the program's accesses are {shown}")
+    return Proof(buffer, CHECKED, f"{what}: checked")
+
+
 def accesses(hlo: str) -> list[Access]:
-    """Every access to an optimized GPU program's stacked host buffers, as run (or CannotVerify)."""
+    """Every access to an optimized GPU program's host buffers (those it allocates, and the
+    state that arrives in host memory), as run (or CannotVerify)."""
     return _Interpreter(parse_module(hlo)).run()
 
 

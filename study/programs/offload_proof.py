@@ -15,15 +15,24 @@ drop a move or address the buffer wrongly (study/programs/addressing.py): only t
 program shows it.
 """
 
+import dataclasses
+import math
 import re
 from collections import Counter, defaultdict
 
+import numpy as np
+
 from study.programs import addressing
-from study.programs.addressing import Proof
+from study.programs.addressing import UNVERIFIED, CannotVerify, HostBuffer, Proof
+from study.programs.hlo import Shape
 from study.programs.jaxpr import Tagged, moves_in
-from offload import optimizer_state
+from model.layers import WEIGHTS_SCOPE
+from offload import state as host_state
 from runtime.own_program import DTYPE_NAMES, tagged_in
 
+# The named scopes of the training state's moves (the update's, a layer's weights'): any other
+# move to host memory no tag asked for is an error.
+STATE_SCOPES = (host_state.SCOPE, WEIGHTS_SCOPE)
 _ANNOTATION = re.compile(r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*'
                          r':\s*\(tensor<([0-9x]*)x?(\w+)>\)')
 
@@ -45,11 +54,13 @@ def verify_offloads(fn, *args) -> set[tuple[str, str]]:
     """(layer scan, tag) of every value the jitted `fn`, lowered for a GPU, offloads to pinned
     host memory and brings back. The traced program names the tag behind each move to host; the
     lowered module must hold exactly those moves (same shapes and dtypes, each out and back) and
-    the optimizer state's (optimizer_state=host), no more, no fewer. One trace serves both."""
+    the training state's, in their named scopes (optimizer_state=host and parameters=host: the
+    update's; parameters=host: each layer's weights and gradient), no more, no fewer. One trace
+    serves both."""
     program = fn.trace(*args)
     traced = tagged_in(program.jaxpr.jaxpr, offloaded=True)
     tags = Counter((t.shape, str(t.dtype)) for sites in traced.values() for t in sites)
-    state = moves_in(program.jaxpr.jaxpr, optimizer_state.SCOPE)
+    state = sum((moves_in(program.jaxpr.jaxpr, scope) for scope in STATE_SCOPES), Counter())
     exported = annotations(program.lower(lowering_platforms=("cuda",)).as_text())
     for placement in ("pinned_host", "device"):
         expected = tags + Counter({(shape, dtype): n for (kind, shape, dtype), n
@@ -73,18 +84,92 @@ def compiled_host_buffers(hlo: str, offloaded: list[Tagged],
     found = {}
     for value in offloaded:
         stacked = ((value.count, *value.shape), str(value.dtype))
-        match = next((p for p in left if _stacked(p) == stacked), None)
+        match = next((p for p in left if _stacked(p.buffer) == stacked), None)
         if match is not None:
             left.remove(match)
             found[value.scan, value.tag] = match
-    if stray := [p for p in left if _stacked(p) not in state]:
+    if stray := [p for p in left if _stacked(p.buffer) not in state]:
         shapes = Counter((p.buffer.shape.dims, p.buffer.shape.dtype) for p in stray)
         raise PlacementError(f"the compiled program keeps buffers in host memory that no "
                              f"offloaded tag accounts for: {dict(shapes)}")
     return found
 
 
-def _stacked(proof: Proof) -> tuple[tuple[int, ...], str]:
-    """(shape, dtype) of a proof's host buffer, the dtype named as numpy names it."""
-    shape = proof.buffer.shape
+def _stacked(buffer: HostBuffer) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) of a host buffer, the dtype named as numpy names it."""
+    shape = buffer.shape
     return shape.dims, DTYPE_NAMES.get(shape.dtype, shape.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """parameters=host: one stacked weight of a layer scan, per device, with the proofs of the
+    compiled program's host buffers of it and of its gradient (None: not in host memory)."""
+    scan: str
+    name: str
+    shape: tuple[int, ...]  # per device, stacked over the scan's layers
+    dtype: str
+    weights: Proof | None
+    gradient: Proof | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def _walk(accesses: list, count: int, gradient: bool) -> tuple[list, str]:
+    """The accesses a layer scan's stacked weights (or their gradient) must see, in order, as
+    (write, layer), and in words. Weights: on compile-only devices written first, layer 0
+    first, where they arrive (study/compiling/compiled_row.py); read by the forward pass layer
+    0 first, by the backward pass layer L-1 first; then read and written over by the update,
+    layer 0 first. A gradient: written by the backward pass, layer L-1 first."""
+    layers = list(range(count))
+    if gradient:
+        return ([(True, n) for n in layers[::-1]],
+                f"the backward pass writes layer {count - 1} first")
+    arrival = [(True, n) for n in layers] if accesses[0].write else []
+    update = [access for n in layers for access in ((False, n), (True, n))]
+    return (arrival + [(False, n) for n in layers + layers[::-1]] + update,
+            f"the forward pass reads layer 0 first, the backward pass layer {count - 1} first, "
+            "the update reads and writes each over, layer 0 first")
+
+
+def compiled_layer_weights(hlo: str, stacked: dict[str, dict[str, tuple]]) -> list[LayerWeight]:
+    """Each weight of `stacked` (layer scan -> weight -> per-device (shape, dtype), numpy's
+    dtype names; the scans in forward order) with the host buffers of an optimized GPU program
+    that hold it and its gradient. Op names do not say (XLA drops many), so the accesses do: a
+    buffer the step reads three times a layer holds weights (the forward pass, its recompute,
+    the update), one it writes a layer at a time and then reads a gradient (written by the
+    backward pass, read by the update). The weights are matched in the order the forward pass
+    reads them, the gradients in the order the backward pass writes them (the last scan
+    first); weights of one shape are told apart by nothing else (any match proves the same).
+    Proved (study/programs/addressing.py), each from the bytes the program means: the walks
+    of `_walk`, and every later access a read."""
+    try:
+        accesses = addressing.accesses(hlo)
+    except CannotVerify as e:
+        return [LayerWeight(scan, name, shape, dtype, *[Proof(
+                    HostBuffer("", Shape(dtype, shape)), UNVERIFIED, str(e))] * 2)
+                for scan, weights in stacked.items() for name, (shape, dtype) in weights.items()]
+    by_buffer = defaultdict(list)  # (in the order of their first accesses)
+    for access in accesses:
+        by_buffer[access.buffer].append(access)
+    found = defaultdict(list)  # (gradient?, shape, dtype) -> buffers
+    for buffer, done in by_buffer.items():
+        layers, writes = buffer.shape.dims[0], [a.write for a in done]
+        if writes.count(False) == 3 * layers:  # weights: forward, recompute, update
+            found[(False, *_stacked(buffer))].append(buffer)
+        elif writes == [True] * layers + [False] * layers:  # a gradient: made, then read
+            found[(True, *_stacked(buffer))].append(buffer)
+    proofs = {}
+    for gradient, scans in ((False, list(stacked)), (True, list(stacked)[::-1])):
+        for scan in scans:
+            for name, (shape, dtype) in stacked[scan].items():
+                buffers = found[gradient, shape, dtype]
+                proofs[scan, name, gradient] = (addressing.prove_walk(
+                    buffers[0], by_buffer[buffers[0]], *_walk(by_buffer[buffers.pop(0)],
+                                                              shape[0], gradient))
+                    if buffers else None)
+    return [LayerWeight(scan, name, shape, dtype, proofs[scan, name, False],
+                        proofs[scan, name, True])
+            for scan, weights in stacked.items() for name, (shape, dtype) in weights.items()]

@@ -62,6 +62,11 @@ class Workload:
     model_flops: float  # MaxText's count, for TFLOP/s/device
     state_bytes: int = 0  # the AdamW moments: on the device or in host memory, as chosen
     mesh: tuple[int, int, int] | None = None  # (data, fsdp, expert) when the mesh is searched
+    # The run's parameters=host (not searched: every candidate has the run's): the layer scans'
+    # weights in host memory (out of `fixed_bytes`, as their gradients), and their bytes over
+    # the host link per step, (host -> device, device -> host), traced (the static plan's).
+    host_weights: int = 0
+    weights_link: tuple[int, int] = (0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,13 +249,19 @@ def figures(terms: Terms, work: Workload, hw: Hardware, state_on_host: bool) -> 
     each), by the same arithmetic."""
     device = work.fixed_bytes + terms.device + terms.prefetch
     host = terms.host
-    if state_on_host:
-        # After the backward pass (its activations read and freed), each layer's moments come
-        # from host and go back, both directions at once, with little compute to hide behind.
-        host = work.state_bytes + np.maximum(terms.host, work.state_bytes)
-        terms = dataclasses.replace(terms, host_s=terms.host_s + work.state_bytes / hw.host_link)
-    else:
+    moments = work.state_bytes if state_on_host else 0
+    if not state_on_host:
         device = device + work.state_bytes
+    if held := work.host_weights + moments:  # the state in host memory between steps
+        # The static plan's host peak: the state (updated in place), the weights' gradients
+        # and the activations. After the
+        # backward pass each layer's moments come from host and go back, both directions at
+        # once, with little compute to hide behind; so the weights' moves (an upper bound:
+        # under LHS the layers' own fetches may hide behind their compute).
+        host = held + work.host_weights + terms.host
+        to_device, to_host = work.weights_link
+        link_s = max(to_device + moments, to_host + moments) / hw.host_link
+        terms = dataclasses.replace(terms, host_s=terms.host_s + link_s)
     step = terms.compute_s + work.other_flops / hw.rate + terms.host_s + terms.link_s
     fits = (device <= hw.capacity) & (host <= hw.host_capacity)
     return Figures(terms, device, host, step, work.model_flops / step / 1e12, fits)

@@ -141,29 +141,31 @@ class Tracer:
             scans.append(ranking.Scan(s, n, tuple(tag(s, v) for v in sites), forward, backward,
                                       remat[s][0], none.exchanged.get((s, "forward"), 0.0) / n,
                                       remat[s][1], step.gathered_layer_bytes(s), expert))
-        fixed, state = self.remat_plan(batch, expert, degree)
+        planned = self.remat_plan(batch, expert, degree)
         # The layer inputs (each scan's first tag) are the candidate's to place.
-        fixed -= sum(scan.layers * scan.tags[0].nbytes for scan in scans)
+        fixed = (planned.peak_estimate - planned.device_optimizer
+                 - sum(scan.layers * scan.tags[0].nbytes for scan in scans))
         other = sum(v for (s, _), v in none.flops.items() if s not in self.scans)
         flops = families.of(self.model).training_flops(self.model, batch, self.run.seq)
-        return ranking.Workload(batch, tuple(scans), other, fixed, flops, state,
-                                self.mesh(expert) if self.moe else None)
+        return ranking.Workload(batch, tuple(scans), other, fixed, flops, planned.optimizer,
+                                self.mesh(expert) if self.moe else None, planned.host_params,
+                                planned.link_params)
 
     def needed(self, expert: int) -> set[tuple[str, str]]:
         """(scan, tag) the backward pass reads: the program's structure, not its sizes, so one
         gradient traced at the experiment's micro batch serves every micro batch."""
         return self.step(self.run.per_device_batch, expert).needed
 
-    def remat_plan(self, batch: int, expert: int, degree: int) -> tuple[int, int]:
-        """Peak device bytes with every tag recomputed, without the optimizer state, and the
-        optimizer state's bytes: the static plan's arithmetic, its activations traced at the
-        expert-parallel degree `degree`."""
+    def remat_plan(self, batch: int, expert: int, degree: int) -> memory_plan.MemoryPlan:
+        """The static plan with every tag recomputed, its activations traced at the
+        expert-parallel degree `degree`: its peak without the optimizer state, the optimizer
+        state's bytes, and (parameters=host) the layers' weights in host memory and their
+        moves."""
         step, at_degree = self.step(batch, expert), self.step(batch, degree)
         lines = [memory_plan.TagLine(v, "remat", True, False) for v in at_degree.sites]
         gpu = self.gpu
-        planned = memory_plan.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory,
-                                   activations=at_degree)
-        return planned.peak_estimate - planned.device_optimizer, planned.optimizer
+        return memory_plan.plan(step, self.remat, lines, pool_bytes(gpu), gpu.host_memory,
+                                activations=at_degree)
 
     def placement(self, candidate: ranking.Candidate) -> dict:
         return {s: candidate.table(s) for s in self.scans}

@@ -12,7 +12,7 @@ from study.programs import hlo
 from study.timing import replay
 from study.hardware.gpus import Gpu
 from study.figures import STUDY_TFLOPS
-from runtime.own_program import CompiledMemory
+from runtime.own_program import CompiledMemory, size_words
 
 
 @dataclasses.dataclass
@@ -118,6 +118,10 @@ def lines(p: StepPrediction) -> list[str]:
         f"  compute stream {r.step_s:.2f} s: GEMM-bound kernels {r.gemm_s:.2f} s, waiting on "
         f"other streams (exposed) {exposed}; critical: {r.critical()}",
         f"  other streams busy: {busy or 'none'}",
+        *([f"  host link: {size_words(r.moved['from host'])} host->device, "
+           f"{size_words(r.moved['to host'])} device->host per step and device (offloaded "
+           "activations, the state in host memory; not its first arrival on compile-only "
+           "devices)"] if any(r.moved.values()) else []),
         f"  schedule: {schedule_words(p.overlap)}",
         f"  GEMMs: {efficiency_words(p)}",
         "  not known to a replay: the kernels autotuning picks on a GPU, contention between "
@@ -134,6 +138,7 @@ def write(p: StepPrediction, compiled: CompiledMemory, plan: memory_plan.MemoryP
         "predicted_tflops_per_device": p.tflops,
         "study_tflops_per_device": p.study_tflops,
         "exposed_s": r.exposed,
+        "host_link_bytes": r.moved,
         "busy_s": r.busy,
         "gemm_bound_s": r.gemm_s,
         "critical": r.critical(),

@@ -45,6 +45,7 @@ class Work:
     stream: str
     flops: tuple[tuple[str, float], ...] = ()
     gemm_bound: bool = False  # a kernel whose GEMMs take longer than its HBM traffic
+    nbytes: float = 0.0  # a host transfer's bytes over the host link
 
 
 @dataclasses.dataclass
@@ -56,6 +57,8 @@ class Replay:
     gemm_s: float  # compute-stream seconds in GEMM-bound kernels
     slices: list  # (stream, instruction, op_name, start, seconds, loop iterations) when kept
     efficiency: dict  # what the GEMMs ran at, per precision class
+    moved: dict = dataclasses.field(default_factory=dict)  # "to host", "from host" -> bytes
+    # per device over the host link (offloaded activations, the state in host memory)
 
     def critical(self) -> str:
         """The resource the step waits on most: the compute stream's GEMMs or its
@@ -117,7 +120,7 @@ class Costs:
         else:
             stream, nbytes = "from host", output.nbytes
         rate = self.gpu.host_link / self.gpu.host_link_gpus  # every GPU moves the same bytes
-        return Work(nbytes / rate, stream)
+        return Work(nbytes / rate, stream, nbytes=nbytes)
 
     def _collective(self, ins, kind, size) -> Work:
         """The slowest of its groups: one that straddles a domain boundary crosses the NICs
@@ -204,10 +207,13 @@ class _Streams:
         self.now, self.free = 0.0, dict.fromkeys(STREAMS, 0.0)
         self.busy, self.exposed = dict.fromkeys(STREAMS, 0.0), dict.fromkeys(STREAMS[1:], 0.0)
         self.flops, self.gemm_s, self.pending = {}, 0.0, {}
+        self.moved = {"to host": 0.0, "from host": 0.0}
         self.slices = [] if keep_slices else None
 
     def record(self, ins, start, work, loops):
         self.busy[work.stream] += work.seconds
+        if work.stream in self.moved:
+            self.moved[work.stream] += work.nbytes
         for p, f in work.flops:
             self.flops[p] = self.flops.get(p, 0.0) + f
         if self.slices is not None:
@@ -252,7 +258,7 @@ def replay(module: hlo.Module, gpu: Gpu, devices: int, efficiency=None,
         raise ValueError(f"async work never waited for: {sorted(clock.pending)[:3]}")
     clock.busy["compute"] = clock.now  # the compute stream's time, waits included
     return Replay(clock.now, clock.busy, clock.exposed, clock.flops, clock.gemm_s,
-                  clock.slices or [], costs.efficiency)
+                  clock.slices or [], costs.efficiency, clock.moved)
 
 
 def _walk(module, comp, costs, clock, loops):
@@ -263,8 +269,8 @@ def _walk(module, comp, costs, clock, loops):
         if op in FREE or (op == "custom-call" and "AllocateBuffer" in ins.attrs.get(
                 "custom_call_target", "")):
             continue
-        # Compile-only programs move a host optimizer state to host first; a GPU has it there.
-        if ARRIVAL in _op_name(ins) or (op.endswith("-done") and ins.operands[0] in left_out):
+        # Compile-only programs move the host state to host first; a GPU has it there.
+        if _arrival(module, comp, ins) or (op.endswith("-done") and ins.operands[0] in left_out):
             left_out.add(ins.name)
             continue
         if op == "while":
@@ -280,6 +286,20 @@ def _walk(module, comp, costs, clock, loops):
             clock.done(ins.operands[0])
         else:
             clock.run(ins, costs.of(comp, ins), loops)
+
+
+def _arrival(module, comp, ins) -> bool:
+    """Whether `ins` is a compile-only program's first move of the state a GPU run keeps in
+    host memory (optimizer_state=host, parameters=host) there (study/compiling/compiled_row.py):
+    named so (ARRIVAL), or XLA's copy to host memory of a whole argument of the step, which it
+    names nothing. (A GPU's program takes those arguments in host memory: it has no such copy.)"""
+    if ARRIVAL in _op_name(ins):
+        return True
+    if comp is not module.entry or ins.opcode not in ("copy", "copy-start") or not ins.operands:
+        return False
+    source = comp.by_name.get(ins.operands[0])
+    written = ins.shape.elements[0] if ins.shape.is_tuple else ins.shape
+    return source is not None and source.opcode == "parameter" and written.on_host
 
 
 @dataclasses.dataclass(frozen=True)
