@@ -624,8 +624,7 @@ def test_with_parameters_on_host_each_layer_reads_its_weights_and_writes_its_gra
         for path, _ in jax.tree_util.tree_leaves_with_path(params[scan])]
     for weight in row.host_weights:
         assert (weight.weights.verdict, weight.weights.detail) == (addressing.CHECKED, (
-            "the forward pass reads layer 0 first, the backward pass layer 1 first, the update "
-            "reads and writes each over, layer 0 first: checked"))
+            "the forward pass reads layer 0 first, the backward pass layer 1 first: checked"))
         assert (weight.gradient.verdict, weight.gradient.detail) == (
             addressing.CHECKED, "the backward pass writes layer 1 first: checked")
     assert {(line.value.scan, line.value.tag) for line in row.run_tags

@@ -107,23 +107,11 @@ def arriving(step_function, on_host: dict):
     its shape, and without memory kinds a new host leaf looks like a device one."""
     def step(kept, arrived, batch):
         with jax.named_scope(ARRIVAL):
-            arrived = jax.tree_util.tree_map_with_path(_arrive, arrived)
+            arrived = jax.tree.map(lambda x: jax.device_put(x, HOST), arrived)
         state = jax.tree.map(lambda host, a, k: a if host else k, on_host, arrived, kept)
         new, metrics = step_function(state, batch)
         return *_split(new, on_host), metrics
     return step
-
-
-def _arrive(path, x):
-    """A host leaf moved to host memory; a layer scan's stacked one a layer at a time, into a
-    buffer the program makes (XLA updates a layer scan's host state in place, which it allows
-    in a buffer of its own or an argument in host memory, not one copied from the device)."""
-    if not any(getattr(k, "key", None) in SCAN_KEYS for k in path):
-        return jax.device_put(x, HOST)
-    return jax.lax.scan(lambda _, layer: (None, jax.device_put(layer, HOST)), None, x)[1]
-
-
-SCAN_KEYS = {"layers", "dense_layers", "moe_layers"}
 
 
 def compile_row(setup: Setup, gpu: Gpu, target: Target | None = None) -> CompiledRow:

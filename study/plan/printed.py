@@ -163,8 +163,9 @@ def memory_lines(plan: memory_plan.MemoryPlan, gpu: Gpu, run: RunConfig) -> list
     held = ([f"the layer scans' weights ({_size(plan.host_params)}), their gradients "
              f"({_size(plan.host_params)})"] if plan.host_params else []) + (
         [f"the optimizer state ({_size(plan.optimizer)})"] if plan.optimizer_on_host else [])
-    state = (f"; with {' and '.join(held)}, the state updated in place, a layer at a time"
-             if held else "")
+    state = (f"; with {' and '.join(held)}, and the state's new copy "
+             f"({_size(plan.host_state)}), written after the backward pass has freed the "
+             "activations" if held else "")
     out.append(f"{'host (pinned)':<23}{_size(plan.host_peak):>10}  of "
                f"{_size(plan.host_capacity)} of host memory per GPU "
                f"({plan.host_peak / plan.host_capacity:.0%}): offloaded activations "

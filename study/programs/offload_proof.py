@@ -117,34 +117,30 @@ class LayerWeight:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
-def _walk(accesses: list, count: int, gradient: bool) -> tuple[list, str]:
-    """The accesses a layer scan's stacked weights (or their gradient) must see, in order, as
-    (write, layer), and in words. Weights: on compile-only devices written first, layer 0
-    first, where they arrive (study/compiling/compiled_row.py); read by the forward pass layer
-    0 first, by the backward pass layer L-1 first; then read and written over by the update,
-    layer 0 first. A gradient: written by the backward pass, layer L-1 first."""
+def _walk(count: int, gradient: bool) -> tuple[list, str]:
+    """The accesses a layer scan's stacked weights (or their gradient) must see first, in
+    order, as (write, layer), and in words. Weights: read by the forward pass layer 0 first,
+    by the backward pass layer L-1 first. A gradient: written by the backward pass, layer L-1
+    first. (Later accesses read: the update's, which writes new buffers.)"""
     layers = list(range(count))
     if gradient:
         return ([(True, n) for n in layers[::-1]],
                 f"the backward pass writes layer {count - 1} first")
-    arrival = [(True, n) for n in layers] if accesses[0].write else []
-    update = [access for n in layers for access in ((False, n), (True, n))]
-    return (arrival + [(False, n) for n in layers + layers[::-1]] + update,
-            f"the forward pass reads layer 0 first, the backward pass layer {count - 1} first, "
-            "the update reads and writes each over, layer 0 first")
+    return ([(False, n) for n in layers + layers[::-1]],
+            f"the forward pass reads layer 0 first, the backward pass layer {count - 1} first")
 
 
 def compiled_layer_weights(hlo: str, stacked: dict[str, dict[str, tuple]]) -> list[LayerWeight]:
     """Each weight of `stacked` (layer scan -> weight -> per-device (shape, dtype), numpy's
     dtype names; the scans in forward order) with the host buffers of an optimized GPU program
     that hold it and its gradient. Op names do not say (XLA drops many), so the accesses do: a
-    buffer the step reads three times a layer holds weights (the forward pass, its recompute,
-    the update), one it writes a layer at a time and then reads a gradient (written by the
-    backward pass, read by the update). The weights are matched in the order the forward pass
-    reads them, the gradients in the order the backward pass writes them (the last scan
-    first); weights of one shape are told apart by nothing else (any match proves the same).
-    Proved (study/programs/addressing.py), each from the bytes the program means: the walks
-    of `_walk`, and every later access a read."""
+    buffer the step reads before writing holds weights (the forward pass reads them first),
+    one it writes and then reads a gradient (written by the backward pass, read by the
+    update), one it only writes a new copy of the state. The weights are matched in the order
+    the forward pass reads them, the gradients in the order the backward pass writes them (the
+    last scan first); weights of one shape are told apart by nothing else (any match proves
+    the same). Proved (study/programs/addressing.py), each from the bytes the program means:
+    the walks of `_walk`, and every later access a read (the update's)."""
     try:
         accesses = addressing.accesses(hlo)
     except CannotVerify as e:
@@ -156,20 +152,16 @@ def compiled_layer_weights(hlo: str, stacked: dict[str, dict[str, tuple]]) -> li
         by_buffer[access.buffer].append(access)
     found = defaultdict(list)  # (gradient?, shape, dtype) -> buffers
     for buffer, done in by_buffer.items():
-        layers, writes = buffer.shape.dims[0], [a.write for a in done]
-        if writes.count(False) == 3 * layers:  # weights: forward, recompute, update
-            found[(False, *_stacked(buffer))].append(buffer)
-        elif writes == [True] * layers + [False] * layers:  # a gradient: made, then read
-            found[(True, *_stacked(buffer))].append(buffer)
+        if not done[0].write or not done[-1].write:  # (not a new copy, written only)
+            found[(done[0].write, *_stacked(buffer))].append(buffer)
     proofs = {}
     for gradient, scans in ((False, list(stacked)), (True, list(stacked)[::-1])):
         for scan in scans:
             for name, (shape, dtype) in stacked[scan].items():
                 buffers = found[gradient, shape, dtype]
+                buffer = buffers.pop(0) if buffers else None
                 proofs[scan, name, gradient] = (addressing.prove_walk(
-                    buffers[0], by_buffer[buffers[0]], *_walk(by_buffer[buffers.pop(0)],
-                                                              shape[0], gradient))
-                    if buffers else None)
+                    buffer, by_buffer[buffer], *_walk(shape[0], gradient)) if buffer else None)
     return [LayerWeight(scan, name, shape, dtype, proofs[scan, name, False],
                         proofs[scan, name, True])
             for scan, weights in stacked.items() for name, (shape, dtype) in weights.items()]
