@@ -89,19 +89,6 @@ HAND_WRITTEN = """HloModule hand, is_scheduled=true
   ROOT %back = (s32[], f32[4,8]{1,0:S(5)}) tuple(%after, %held)
 }
 
-%up (u: (s32[], f32[4,8], f32[4,8])) -> (s32[], f32[4,8], f32[4,8]) {
-  %u = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) parameter(0)
-  %n = s32[] get-tuple-element(%u), index=0
-  %ws = f32[4,8]{1,0:S(5)} get-tuple-element(%u), index=1
-  %gs = f32[4,8]{1,0:S(5)} get-tuple-element(%u), index=2
-  %e0 = s32[] constant(0)
-  %w1 = f32[1,8]{1,0} dynamic-slice(%ws, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
-  %g1 = f32[1,8]{1,0} dynamic-slice(%gs, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
-  %inc = s32[] constant(1)
-  %n1 = s32[] add(%n, %inc)
-  ROOT %r = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%n1, %ws, %gs)
-}
-
 %more (c: (s32[], f32[4,8])) -> pred[] {
   %c = (s32[], f32[4,8]{1,0:S(5)}) parameter(0)
   %k = s32[] get-tuple-element(%c), index=0
