@@ -161,8 +161,9 @@ def lines(setup, program, readings, run_dir, first_step: int) -> list[str]:
     if target.platform == "gpu":
         rows["memory"] += f", {compiled.host / GiB:.2f} GiB in pinned host memory (compiled)"
     if any(readings.link):
-        rows["memory"] += ("; over the host link per step {} to host, {} back (traced)"
-                           .format(*map(size_words, readings.link)))
+        rows["memory"] += ("; over the host link per step {} to host, {} back (traced{})"
+                           .format(*map(size_words, readings.link), "" if target.platform == "gpu"
+                                   else f"; a {target.platform} has no host link"))
     rows["compile"] = (f"{program.compile_s:.1f} s (the step"
                        + (" and the evaluation" if setup.run.eval_every else "")
                        + f"); model {readings.flops / 1e12:,.2f} TFLOP per device per step "
