@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 
 from model import families
 from offload import activations
-from runtime.fit import Budget, FitError
+from runtime.fit import STATE, Budget, FitError
 from runtime.own_program import (CompiledMemory, link_bytes, offloaded, size_words, step_flops,
                                  tagged_in)
 from trainer.program import Program
@@ -25,13 +25,10 @@ from trainer.program import Program
 NEIGHBOURS = 4  # placements one tag away from the best-ranked preset, compiled and timed too
 
 
-STATE_PARTS = ("optimizer_state", "parameters")  # the state's parts a run may keep on host
-
-
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A placement to try: a preset and its tag changes (the run's own, then its own one), and
-    where the state's parts lie (`state`: each of STATE_PARTS, device or host)."""
+    where the state's parts lie (`state`: each of STATE, device or host)."""
     preset: str
     changes: tuple[tuple[str, str], ...]  # (placement.<key>, where), the run's first
     placement: dict | None  # resolved: scan -> {tag: where}; None: checkpointing off
@@ -47,14 +44,14 @@ def state_options(run, fixed: set[str]) -> list[tuple[tuple[str, str], ...]]:
     """Where the state may lie in preset=auto's candidates: each part the run keeps in host
     memory (a fit put it there, or the experiment) tried on the device too, unless the command
     line set it (`fixed`); the run's own placement first. [()] where nothing is on host."""
-    free = [p for p in STATE_PARTS if getattr(run, p) == "host" and p not in fixed]
+    free = [p for p in STATE if getattr(run, p) == "host" and p not in fixed]
     if not free:
         return [()]
-    options = [tuple((p, getattr(run, p)) for p in STATE_PARTS)]
+    options = [tuple((p, getattr(run, p)) for p in STATE)]
     for moved in range(1, 2 ** len(free)):  # every subset of the free parts back on device
         back = {p for i, p in enumerate(free) if moved >> i & 1}
         options.append(tuple((p, "device" if p in back else getattr(run, p))
-                             for p in STATE_PARTS))
+                             for p in STATE))
     return options
 
 
