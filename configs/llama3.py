@@ -26,14 +26,17 @@ STUDY_405B = RunConfig(per_device_batch=2, seq=8192, steps=10, mesh=MeshConfig(f
 _llama405b = partial(experiment, model=LLAMA31_405B, proxy_model=PROXY_405B, run=STUDY_405B)
 
 EXPERIMENTS = (
+    # study_tflops: the study's measured TFLOP/s per GB200 (docs/study.md), what each row's
+    # replayed step and a comparison's table are set beside.
     _llama405b("llama405b-baseline", "row 1: no offload, Q/K/V recomputed in backward; LHS on",
-               preset="remat", xla_flags={LHS: "true"}),
+               study_tflops=2669, preset="remat", xla_flags={LHS: "true"}),
     _llama405b("llama405b-offload", "row 2: Q/K/V offloaded to host; LHS on (the study's best)",
-               preset="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
+               study_tflops=2746, preset="qkv_offload", xla_flags={LHS: "true", ASYNC_LIMIT: "8"}),
     _llama405b("llama405b-offload-nolhs", "row 3: Q/K/V offloaded; latency hiding scheduler off",
-               preset="qkv_offload", xla_flags={LHS: "false"}),
+               study_tflops=2569, preset="qkv_offload", xla_flags={LHS: "false"}),
     _llama405b("llama405b-offload-pipelined", "row 4: Q/K/V offloaded; LHS + pipelined offload",
-               preset="qkv_offload", xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
+               study_tflops=2718, preset="qkv_offload",
+               xla_flags={LHS: "true", PIPELINED: "true", ASYNC_LIMIT: "8"}),
     # Not a study row: the search's fast model's first on 128 GB200s once, which the replay
     # overturned (docs/search.md); it needs a larger pinned-host pool (docs/clusters.md).
     _llama405b("llama405b-searched", "searched: micro batch 1, K/V and MLP inputs offloaded, "

@@ -181,6 +181,7 @@ class Experiment:
     model: ModelConfig
     proxy_model: ModelConfig
     run: RunConfig
+    study_tflops: float | None = None  # the study's measured TFLOP/s per GB200 (docs/study.md)
 
     def at_scale(self, scale: str) -> tuple[ModelConfig, RunConfig]:
         """Full and fit: the study's model and run (a fit reduces them: runtime/fit.py)."""
@@ -189,8 +190,10 @@ class Experiment:
         return self.proxy_model, dataclasses.replace(self.run, **PROXY_RUN)
 
 
-def experiment(name, summary, model, proxy_model, run: RunConfig, **run_changes) -> Experiment:
-    return Experiment(name, summary, model, proxy_model, dataclasses.replace(run, **run_changes))
+def experiment(name, summary, model, proxy_model, run: RunConfig, study_tflops=None,
+               **run_changes) -> Experiment:
+    return Experiment(name, summary, model, proxy_model, dataclasses.replace(run, **run_changes),
+                      study_tflops)
 
 
 def declared(cls=None, prefix: str = "", group=None):

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import configs
-from configs import ConfigError
-from study.figures import STUDY_TFLOPS
+from configs import STUDY_TFLOPS, ConfigError
 from runtime.own_program import GiB
 from runtime.report import new_run_dir
 

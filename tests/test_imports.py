@@ -7,11 +7,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Bottom to top. The study tools sit above all of the trainer, their folders in the order of
-# docs/reading.md (cli.py and __main__.py: "study", the top), except the study's published
-# figures (numbers only), below the runtime, whose comparison table quotes them;
-# runtime/backend.py (which starts JAX) below everything, importing nothing of the project.
+# docs/reading.md (cli.py and __main__.py: "study", the top); runtime/backend.py (which starts
+# JAX) below everything, importing nothing of the project.
 LAYERS = ["runtime.backend", "data", "model", "configs", "offload", "trainer", "hf",
-          "study.figures", "runtime", "train", "study.programs", "study.hardware",
+          "runtime", "train", "study.programs", "study.hardware",
           "study.command_line", "study.plan", "study.timing", "study.compiling", "study.search",
           "study.bench", "study"]
 PACKAGES = {"data", "model", "configs", "offload", "trainer", "hf", "runtime", "study", "train"}

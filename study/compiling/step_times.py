@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import configs
-from configs import ConfigError
+from configs import STUDY_TFLOPS, ConfigError
 from runtime import checkpoints
 from runtime import setup as runtime_setup
 from study import command_line
@@ -23,7 +23,6 @@ from study.programs import hlo
 from study.timing import predicted_step
 from study.compiling.compiled_row import compile_row
 from study.hardware.gpus import gpu_of
-from study.figures import STUDY_TFLOPS
 
 USAGE = "step-times [--hlo DIR] [EXPERIMENT ...]"
 

@@ -20,8 +20,7 @@ from study.plan import printed
 from study.plan.traced_step import Pool, workers_available
 from study.search import candidates, ranking
 from study.search.tracer import Tracer
-from study.figures import STUDY_TFLOPS
-from configs import LHS, PIPELINED, ConfigError, Experiment
+from configs import LHS, PIPELINED, STUDY_TFLOPS, ConfigError, Experiment
 from study.hardware.gpus import GPUS, Gpu
 from model import families
 from model.config import DeepSeekConfig

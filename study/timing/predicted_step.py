@@ -6,12 +6,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+from configs import STUDY_TFLOPS
 from model import families
 from study.plan import memory_plan
 from study.programs import hlo
 from study.timing import replay
 from study.hardware.gpus import Gpu
-from study.figures import STUDY_TFLOPS
 from runtime.own_program import CompiledMemory, size_words
 
 
@@ -120,8 +120,7 @@ def lines(p: StepPrediction) -> list[str]:
         f"  other streams busy: {busy or 'none'}",
         *([f"  host link: {size_words(r.moved['from host'])} host->device, "
            f"{size_words(r.moved['to host'])} device->host per step and device (offloaded "
-           "activations, the state in host memory; not its first arrival on compile-only "
-           "devices)"] if any(r.moved.values()) else []),
+           "activations, the state in host memory)"] if any(r.moved.values()) else []),
         f"  schedule: {schedule_words(p.overlap)}",
         f"  GEMMs: {efficiency_words(p)}",
         "  not known to a replay: the kernels autotuning picks on a GPU, contention between "
