@@ -122,16 +122,24 @@ def quiet():
     return captured_stderr(lambda line: "" if _CUDA_STUB_NOISE.search(line) else line)
 
 
-# XLA's warning from its own memory estimate, which REMAT_NOTE explains (docs/placement.md).
-_REMAT_WARNING = re.compile(r"hlo_rematerialization.*Can't reduce memory use below")
+# XLA's warnings from its own memory estimates, each with the line that explains it
+# (docs/placement.md).
 REMAT_NOTE = ("  (XLA's rematerialization pass: its estimate counts the host buffers of offloaded "
               "activations as device memory and is made before the final schedule; what the "
               "compiled program holds on the device is measured below)\n")
+SCHEDULE_NOTE = ("  (XLA's GPU scheduler: it counts the program's arguments and outputs in host "
+                 "memory, the state a run keeps there, against the device's limit; what the "
+                 "compiled program holds on the device is measured below)\n")
+_EXPLAINED = ((re.compile(r"hlo_rematerialization.*Can't reduce memory use below"), REMAT_NOTE),
+              (re.compile(r"gpu_hlo_schedule.*byte size of input/output arguments"),
+               SCHEDULE_NOTE))
 
 
 def explained_compile():
-    """While XLA compiles: its rematerialization warning gets a line that says what it is."""
-    return captured_stderr(lambda line: line + REMAT_NOTE if _REMAT_WARNING.search(line) else line)
+    """While XLA compiles: its warnings from its memory estimates get a line that says what
+    they are."""
+    return captured_stderr(lambda line: line + "".join(
+        note for pattern, note in _EXPLAINED if pattern.search(line)))
 
 
 def _probe_gradient(policy, weights, x):

@@ -285,9 +285,9 @@ def state_problem(run, platform: str, kinds: set[str], need: int, have: int) -> 
         return (f"{placed}: the {platform} backend has no pinned_host memory (it has "
                 f"{', '.join(sorted(kinds)) or 'none'})")
     if need > have:
-        return (f"{placed}: the state and its new copy need {need / 2**30:.1f} GiB of host "
-                f"memory here (with the weights' gradients), the host has "
-                f"{have / 2**30:.1f} GiB; keep it on the device or use more hosts")
+        return (f"{placed}: the state in host memory needs {need / 2**30:.1f} GiB here (with "
+                f"the weights' gradients), the host has {have / 2**30:.1f} GiB; keep it on the "
+                "device or use more hosts")
     return None
 
 

@@ -50,10 +50,10 @@ def compile(name: str, args: list[str]) -> None:
     print("\n".join(printed.plan_lines(name, run, gpu, row.full_plan)))
     print("\n".join(host_weight_lines(row.host_weights)))
     compiled = row.compiled_memory()
-    print("\n".join(printed.compiled_lines(compiled, row.full_plan, gpu, row.arrived)))
+    print("\n".join(printed.compiled_lines(compiled, row.full_plan, gpu)))
     prediction = predicted_step.of_experiment(setup.experiment, row.hlo, gpu, len(target.devices),
                                               keep_slices=True,
-                                              device_ids=[d.id for d in row.mesh.devices.flat])
+                                              device_ids=[d.id for d in target.devices])
     print("\n".join(predicted_step.lines(prediction)))
     print(predicted_step.exchange_line(prediction.exchanges))
     if jax.process_index() == 0:

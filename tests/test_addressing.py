@@ -410,9 +410,11 @@ WEIGHTS = """HloModule weights, is_scheduled=true
   %e0 = s32[] constant(0)
   %w1 = f32[1,8]{1,0} dynamic-slice(%ws, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
   %g1 = f32[1,8]{1,0} dynamic-slice(%gs, %n, %e0), dynamic_slice_sizes={1,8}, FETCH
+  %new = f32[1,8]{1,0} add(%w1, %g1)
+  %put = f32[4,8]{1,0:S(5)} dynamic-update-slice(%ws, %new, %n, %e0), FETCH
   %inc = s32[] constant(1)
   %n1 = s32[] add(%n, %inc)
-  ROOT %r = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%n1, %ws, %gs)
+  ROOT %r = (s32[], f32[4,8]{1,0:S(5)}, f32[4,8]{1,0:S(5)}) tuple(%n1, %put, %gs)
 }
 
 %more (c: (s32[], f32[4,8])) -> pred[] {
@@ -448,15 +450,17 @@ ENTRY %main (w: f32[4,8]) -> f32[4,8] {
 
 @pytest.mark.parametrize("index, read, verdict, says", [
     ("%reverse", RIGHT_WALK, addressing.CHECKED,
-     "the forward pass reads layer 0 first, the backward pass layer 3 first: checked"),
+     "the forward pass reads layer 0 first, the backward pass layer 3 first, the update reads "
+     "and writes each over, layer 0 first: checked"),
     # The descriptor walks forward, the index backward (openxla/xla #46231, for the weights):
     ("%reverse", FORWARD_WALK, addressing.WRONG,
      "read 4 (read, iteration 0 of loop bwd) means layer 3 (the loop passes index 3), but "
      "XLA's descriptor byte_offset 0, byte_stride +32 addresses layer 0"),
     # Both walk forward, in agreement: the backward pass's layers get layer 0's weights first.
     ("%j", FORWARD_WALK, addressing.WRONG,
-     "not the forward pass reads layer 0 first, the backward pass layer 3 first: the "
-     "program's accesses are read 0, read 1, read 2, read 3, read 0, read 1, read 2, read 3"),
+     "not the forward pass reads layer 0 first, the backward pass layer 3 first, the update "
+     "reads and writes each over, layer 0 first: the program's accesses are read 0, read 1, "
+     "read 2, read 3, read 0, read 1, read 2, read 3, read 0, write 0,"),
 ])
 def test_weights_in_host_memory_are_read_forward_then_backward(index, read, verdict, says):
     """parameters=host: the proof of a layer scan's weights and gradient in host memory

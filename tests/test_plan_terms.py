@@ -59,7 +59,6 @@ class Step(typing.NamedTuple):
     plan: memory_plan.MemoryPlan
     compiled: CompiledMemory
     inputs: int  # the device's arguments besides the planned state: its batch, step counts
-    arrived: int  # the host optimizer state the compile-only program took as device arguments
 
 
 @functools.cache
@@ -73,7 +72,7 @@ def compiled_step(name: str, overrides: tuple[str, ...]) -> Step:
     counts = [x for x in jax.tree.leaves(state["opt_state"])
               if not x.ndim and row.full_plan.optimizer_on_host]
     return Step(row.full_plan, row.compiled_memory(),
-                per_device_bytes([batch, state["step"], counts]), row.arrived)
+                per_device_bytes([batch, state["step"], counts]))
 
 
 # Per configuration, the figures compared and the plan's term that is most of each. (One test
@@ -142,15 +141,13 @@ def test_a_whole_step_holds_what_the_plan_holds(config, figure):
 @GPU_COMPILE
 def test_host_memory_holds_the_activations_and_the_state():
     """optimizer_state=host, many times the moments' bytes in offloaded activations: the plan's
-    host peak (the activations; the state, and its new copy written once the backward pass
-    has freed them) is in the compiled program's host buffers, and at most the moments' first
-    copy more: a compile-only program takes them as device arguments (`arrived`) and moves
-    them to host itself, into the activations' freed space or not, as XLA schedules it. Its
-    device arguments are the planned device state (no moments) and the batch, to the byte."""
+    host peak (the activations and the state, updated in place) is the compiled program's host
+    memory, to the byte, and its device arguments the planned device state (no moments) and
+    the batch."""
     step = compiled_step("llama8b-offload", (*NARROW, *LONG, "model.n_layers=4",
                                              "optimizer_state=host"))
     assert step.plan.host_activations > 10 * step.plan.optimizer > 0
-    assert step.plan.host_peak <= step.compiled.host <= step.plan.host_peak + step.arrived
+    assert step.compiled.host == step.plan.host_peak
     assert step.compiled.arguments == (step.plan.device_params + step.plan.device_optimizer
                                        + step.inputs)
 
@@ -227,7 +224,7 @@ def test_the_layer_weights_on_host_leave_the_device_plan_for_the_host_line(name)
     """parameters=host, from the abstract state's shapes: the device figure loses the layer
     scans' weights and gradients (and the stacked copies XLA transposes), and gains the widest
     layer's weights and gradient while its backward pass runs; the host line gains the weights
-    and gradients (their new copy fits where the freed activations were); the host link
+    and gradients (the update writes them over themselves); the host link
     carries, as the traced step moves them, the weights' bytes four times to the device (a
     layer's weights for its forward pass and its recompute, model/layers.py; its gradient
     and weights for the update, offload/state.py: the global norm is summed in the backward
@@ -259,7 +256,8 @@ def test_the_layer_weights_on_host_leave_the_device_plan_for_the_host_line(name)
 def test_the_moments_and_the_weights_on_host_cross_the_host_link_each_as_alone():
     """optimizer_state=host moves the moments (the optimizer state but its 0-d step counts)
     once each way per step; with parameters=host as well, both moves add up, and the host
-    line holds the weights, their gradients, the moments and a new copy of both."""
+    line holds the weights, their gradients and the moments beside the activations (the
+    update writes the state over itself)."""
     name, overrides = "llama405b-offload", STATE_ON_HOST["llama405b-offload"]
     moments, _, state, scans = planned(name, *overrides, "optimizer_state=host")
     both = planned(name, *overrides, "optimizer_state=host", "parameters=host").plan
@@ -270,4 +268,4 @@ def test_the_moments_and_the_weights_on_host_cross_the_host_link_each_as_alone()
     assert both.link == (4 * weights + m, 2 * weights + m)
     assert both.link_params == (4 * weights, 2 * weights)
     held = weights + both.moments  # between steps
-    assert both.host_peak == held + weights + max(both.host_activations, held)
+    assert both.host_peak == held + weights + both.host_activations

@@ -9,7 +9,6 @@ import pytest
 
 from study.programs import hlo
 from study.timing import predicted_step, replay
-from study.hardware.compile_only import ARRIVAL
 from study.hardware.gpus import GPUS
 
 N = 1 << 20  # elements of the f32 vectors below: 4 MiB each
@@ -28,9 +27,6 @@ ADD_S = 12 * MiB / GPU.hbm  # the add kernel: two 4 MiB reads, one 4 MiB write
 EIGHT = "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
 
 
-# The copies to host memory below copy a value the step makes (%v, a bitcast of its argument,
-# which costs nothing): XLA's copy of an argument itself to host memory is a compile-only
-# program's arrival of the host state, which the replay leaves out.
 def module(entry: str, *computations: str) -> hlo.Module:
     lines = "\n".join(f"  {line}" for line in entry.strip().splitlines())
     return hlo.parse_module("HloModule m, is_scheduled=true\n\n" + "\n".join(computations)
@@ -274,18 +270,13 @@ HOST_BODY = f"""%host_body (s: (s32[], f32[{N}])) -> (s32[], f32[{N}]) {{
 """
 
 
-def test_the_bytes_over_the_host_link_are_counted_each_way_every_trip_but_the_arrival():
+def test_the_bytes_over_the_host_link_are_counted_each_way_every_trip():
     """The replay counts the bytes each host copy moves, per direction, once per loop trip
-    (a layer's weights over the host link, as parameters=host moves them); a compile-only
-    program's first move of the host state (on a GPU it is there) is left out, its bytes as
-    its time: named (`ARRIVAL`), or XLA's unnamed copy of a whole argument to host memory.
-    Synchronous copies: all exposed."""
+    (a layer's weights over the host link, as parameters=host moves them). Synchronous
+    copies: all exposed."""
     trips = 'backend_config={"known_trip_count":{"n":"5"}}'
     result = step(f"""
 %a = f32[{N}]{{0}} parameter(0)
-%arrived = f32[{N}]{{0:S(5)}} copy(%a), metadata={{op_name="jit(step)/{ARRIVAL}/device_put"}}
-%c = (f32[{N}]{{0:S(5)}}, f32[{N}]{{0}}, u32[]) copy-start(%a)
-%unnamed = f32[{N}]{{0:S(5)}} copy-done(%c)
 %zero = s32[] constant(0)
 %init = (s32[], f32[{N}]{{0}}) tuple(%zero, %a)
 %loop = (s32[], f32[{N}]{{0}}) while(%init), condition=%cond, body=%host_body, {trips}

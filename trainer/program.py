@@ -129,7 +129,8 @@ class Program:
 
     def __init__(self, model, run: RunConfig, placement: dict | None, target: Target):
         self.model, self.run, self.target = model, run, target
-        self.rules = AxisRules(mesh=mesh_of(run, target.devices))
+        self.device_mesh = mesh_of(run, target.devices)
+        self.rules = AxisRules(mesh=target.mesh(self.device_mesh))
         self.optimizer = make_optimizer(run.optimizer, run.steps)
         self.options = forward_options(model, run, placement, self.rules, target)
         self.state_shapes = abstract_state(model, run, self.rules, self.optimizer)
@@ -146,7 +147,8 @@ class Program:
     def traced(self) -> jax.stages.Traced:
         """The step traced on the abstract state and batch (its jaxpr: what it offloads)."""
         step = partial(train_step, model=self.model, run=self.run, options=self.options)
-        return jax.jit(step, donate_argnums=0).trace(self.state_shapes, self.batch_shape)
+        with self.target.tracing(self.device_mesh):
+            return jax.jit(step, donate_argnums=0).trace(self.state_shapes, self.batch_shape)
 
     def compile(self, traced: jax.stages.Traced, options: dict | None = None):
         """`traced` compiled with the run's XLA flags (a GPU target's) and `options`, timed."""
@@ -171,8 +173,9 @@ class Program:
         if evaluation and self.evaluate is None:
             loss = make_loss(self.model, self.run, self.options)
             evaluate = jax.jit(lambda params, batch: loss(params, batch)[1]["cross_entropy"])
-            self.evaluate = self.compile(evaluate.trace(self.state_shapes["params"],
-                                                        self.batch_shape))
+            with self.target.tracing(self.device_mesh):
+                traced = evaluate.trace(self.state_shapes["params"], self.batch_shape)
+            self.evaluate = self.compile(traced)
         return self.step
 
     def init_state(self, checkpoint=None) -> dict:

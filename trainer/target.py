@@ -1,6 +1,7 @@
 """What a train step is built for (`Target`: this machine's devices, GPUs the study tools
 compile for, or any backend) and what follows from it: the NVFP4 path, the XLA flags."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -33,6 +34,14 @@ class Target:
     def description(self) -> str:
         kind = self.devices[0].device_kind if self.devices else self.platform
         return f"{len(self.devices)} x {kind}"
+
+    def mesh(self, mesh: jax.sharding.Mesh):
+        """The mesh a program on `mesh` (over these devices) shards its values on: `mesh`."""
+        return mesh
+
+    def tracing(self, mesh: jax.sharding.Mesh):
+        """Where a program on `mesh` is traced."""
+        return contextlib.nullcontext()
 
 
 ANY = Target("any")

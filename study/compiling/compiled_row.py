@@ -4,34 +4,27 @@ addressing)."""
 
 import dataclasses
 import functools
-from functools import partial
 
 import jax
 
-from offload.state import HOST, per_device_bytes
 from runtime.own_program import CompiledMemory, size_words
 from runtime.setup import Setup
 from study.plan import memory_plan
-from study.hardware.compile_only import ARRIVAL, DEVICELESS, compile_only, kernel_checks
+from study.hardware.compile_only import DEVICELESS, compile_only, kernel_checks
 from study.hardware.gpus import Gpu
 from study.plan.traced_step import traced_step
 from study.programs import offload_proof
-from trainer.program import Program, abstract_state
-from trainer.step import train_step
+from trainer.program import Program
 from trainer.target import Target
 
 
 @dataclasses.dataclass
 class CompiledRow:
-    """The compiled step; the plan and the placement list are traced when first asked for.
-    `arrived`: bytes of the host state (parameters=host: the layer scans' weights,
-    optimizer_state=host: the moments) the compile-only program takes as device arguments (on
-    a GPU they arrive in host memory)."""
+    """The compiled step; the plan and the placement list are traced when first asked for."""
     setup: Setup
     gpu: Gpu
     program: Program
     compiled: jax.stages.Compiled
-    arrived: int = 0
 
     @functools.cached_property
     def hlo(self) -> str:  # (printing a full-width module takes seconds: once)
@@ -42,9 +35,7 @@ class CompiledRow:
         return self.program.mesh
 
     def compiled_memory(self) -> CompiledMemory:
-        """XLA's memory of the compiled step, the arrived state off its device arguments."""
-        compiled = CompiledMemory.of(self.compiled)
-        return dataclasses.replace(compiled, arguments=compiled.arguments - self.arrived)
+        return CompiledMemory.of(self.compiled)
 
     @functools.cached_property
     def _mesh_shape(self) -> tuple[int, ...]:
@@ -74,7 +65,8 @@ class CompiledRow:
     def host_weights(self) -> list[offload_proof.LayerWeight]:
         """parameters=host: each layer scan's stacked weights, per device, with the compiled
         program's host buffers of them and of their gradients (none otherwise)."""
-        on_host = in_host_memory(self.program)["params"]
+        on_host = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host",
+                               self.program.state_shapes["params"])
         stacked = {scan: {jax.tree_util.keystr(path, simple=True, separator="/"): (
                               tuple(x.sharding.shard_shape(x.shape)), str(x.dtype))
                           for path, x in jax.tree_util.tree_leaves_with_path(params)}
@@ -83,53 +75,14 @@ class CompiledRow:
         return offload_proof.compiled_layer_weights(self.hlo, stacked) if stacked else []
 
 
-def in_host_memory(program: Program) -> dict:
-    """Per leaf of the train state, whether a GPU run keeps it in pinned host memory: the
-    shardings `abstract_state` gives on the program's abstract mesh (on compile-only devices
-    they come back without memory kinds)."""
-    rules = dataclasses.replace(program.rules, mesh=program.mesh.abstract_mesh)
-    state = abstract_state(program.model, program.run, rules, program.optimizer)
-    return jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", state)
-
-
-def _split(state: dict, on_host: dict) -> tuple[dict, dict]:
-    """(the leaves `on_host` says stay on the device, those it says lie in host memory), each
-    tree with None at the other's leaves."""
-    return (jax.tree.map(lambda x, host: None if host else x, state, on_host),
-            jax.tree.map(lambda x, host: x if host else None, state, on_host))
-
-
-def arriving(step_function, on_host: dict):
-    """The step, the state's leaves a GPU run keeps in host memory (`on_host`: parameters=host
-    the layer scans' weights, optimizer_state=host the moments) taken as device arguments and
-    first moved to host memory (in ARRIVAL). It takes them apart from the donated rest of the
-    state and returns the new rest first: JAX pairs a donated input with the first output of
-    its shape, and without memory kinds a new host leaf looks like a device one."""
-    def step(kept, arrived, batch):
-        with jax.named_scope(ARRIVAL):
-            arrived = jax.tree.map(lambda x: jax.device_put(x, HOST), arrived)
-        state = jax.tree.map(lambda host, a, k: a if host else k, on_host, arrived, kept)
-        new, metrics = step_function(state, batch)
-        return *_split(new, on_host), metrics
-    return step
-
-
 def compile_row(setup: Setup, gpu: Gpu, target: Target | None = None) -> CompiledRow:
-    """`setup`'s step compiled as a run on `gpu`s would (one `target` for several rows)."""
+    """`setup`'s step compiled as a run on `gpu`s would (one `target` for several rows): the
+    run's own program, its host state taken as host arguments."""
     target = target or compile_only(gpu, setup.run.mesh.devices)
     program = Program(setup.model, setup.run, setup.placement, target)
-    on_host = in_host_memory(program)
-    if not any(jax.tree.leaves(on_host)):
-        with kernel_checks(target):
-            program.step = program.compile(program.traced, DEVICELESS)  # the run's own, compiled
-        return CompiledRow(setup, gpu, program, program.step)
-    step = arriving(partial(train_step, model=program.model, run=program.run,
-                            options=program.options), on_host)
-    kept, arrived = _split(program.state_shapes, on_host)
     with kernel_checks(target):
-        traced = jax.jit(step, donate_argnums=0).trace(kept, arrived, program.batch_shape)
-        compiled = program.compile(traced, DEVICELESS)
-    return CompiledRow(setup, gpu, program, compiled, per_device_bytes(arrived))
+        program.step = program.compile(program.traced, DEVICELESS)
+    return CompiledRow(setup, gpu, program, program.step)
 
 
 def host_weight_lines(weights: list[offload_proof.LayerWeight]) -> list[str]:

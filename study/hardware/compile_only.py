@@ -7,6 +7,7 @@ import functools
 import os
 from unittest import mock
 
+import jax
 from jax.experimental import topologies
 
 from configs import ConfigError
@@ -20,11 +21,6 @@ from trainer.target import Target
 # of a compile's time). Off, the optimized program's instructions, schedule and buffers are
 # the same (tests/test_gpu_compile.py); a real GPU keeps both.
 DEVICELESS = {"xla_gpu_enable_cub_radix_sort": False, "xla_gpu_autotune_level": 0}
-# Compile-only GPUs have no memory kinds (jax 0.12.0.1 drops `pinned_host` from their
-# shardings): the optimizer state a GPU run keeps in host memory arrives there as device
-# arguments and is moved to host first, in this named scope (study/compiling/compiled_row.py),
-# which the replay leaves out (study/timing/replay.py).
-ARRIVAL = "compile_only_arrival"
 
 
 def pool_bytes(gpu: Gpu) -> int:
@@ -44,10 +40,19 @@ def host_limit(gpu: Gpu, gpus: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CompileOnly(Target):
-    """GPUs that compile but cannot run: no memory to allocate, measure or hold a pool."""
+    """GPUs that compile but cannot run: no memory to allocate, measure or hold a pool. Their
+    devices have no memory kinds (jax 0.12.0.1 drops `pinned_host` from a sharding on them), so
+    a program shards its values on their mesh's abstract mesh, whose shardings keep them: the
+    state a GPU run keeps in host memory is the compiled program's host arguments, as there."""
 
     def pool_bytes(self) -> None:
         return None
+
+    def mesh(self, mesh):
+        return mesh.abstract_mesh
+
+    def tracing(self, mesh):
+        return jax.set_mesh(mesh)  # the devices the abstract mesh's shardings lower onto
 
     @property
     def description(self) -> str:

@@ -89,13 +89,9 @@ class MemoryPlan:
     @property
     def host_peak(self) -> int:
         """Host memory a step needs at once: the offloaded activations; with state on host, that
-        state, the layer scans' gradients (parameters=host: written as the backward pass reads
-        the activations), and the larger of the activations and the state's new copy (written
-        by the update, after the backward pass freed the activations)."""
-        if not self.host_state:
-            return self.host_activations
-        return (self.host_state + self.host_params
-                + max(self.host_activations, self.host_state))
+        state (the update writes it over itself, a layer at a time) and the layer scans'
+        gradients (parameters=host: written as the backward pass reads the activations)."""
+        return self.host_state + self.host_params + self.host_activations
 
     @property
     def link_params(self) -> tuple[int, int]:

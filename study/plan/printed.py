@@ -13,7 +13,6 @@ touching its devices.
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from configs import RunConfig
@@ -163,9 +162,8 @@ def memory_lines(plan: memory_plan.MemoryPlan, gpu: Gpu, run: RunConfig) -> list
     held = ([f"the layer scans' weights ({_size(plan.host_params)}), their gradients "
              f"({_size(plan.host_params)})"] if plan.host_params else []) + (
         [f"the optimizer state ({_size(plan.optimizer)})"] if plan.optimizer_on_host else [])
-    state = (f"; with {' and '.join(held)}, and the state's new copy "
-             f"({_size(plan.host_state)}), written after the backward pass has freed the "
-             "activations" if held else "")
+    state = (f"; with {' and '.join(held)}, the state updated in place, a layer at a time"
+             if held else "")
     out.append(f"{'host (pinned)':<23}{_size(plan.host_peak):>10}  of "
                f"{_size(plan.host_capacity)} of host memory per GPU "
                f"({plan.host_peak / plan.host_capacity:.0%}): offloaded activations "
@@ -194,11 +192,8 @@ def link_line(plan: memory_plan.MemoryPlan, gpu: Gpu) -> str:
             f"{rate / 1e9:.0f} GB/s each way per GPU, the two directions at once")
 
 
-def compiled_lines(compiled: CompiledMemory, plan: memory_plan.MemoryPlan, gpu: Gpu,
-                   arrived: int = 0) -> list[str]:
-    """XLA's per-device memory of the compiled program beside the static plan: does it fit?
-    `arrived`: the host state (optimizer_state=host, parameters=host) a compile-only program
-    took as device arguments."""
+def compiled_lines(compiled: CompiledMemory, plan: memory_plan.MemoryPlan, gpu: Gpu) -> list[str]:
+    """XLA's per-device memory of the compiled program beside the static plan: does it fit?"""
     rows = [
         ("arguments", compiled.arguments, plan.device_params + plan.device_optimizer,
          "the state (parameters, optimizer) and the batch; static: the state"),
@@ -218,11 +213,6 @@ def compiled_lines(compiled: CompiledMemory, plan: memory_plan.MemoryPlan, gpu: 
     ]
     out = [f"{'per device':<20}{'compiled':>11}{'static plan':>13}"]
     out += [f"{name:<20}{_size(a):>11}{_size(b):>13}  {why}" for name, a, b, why in rows]
-    if arrived:
-        out.append(f"the host state's {_size(arrived)}: compile-only GPUs have no "
-                   f"memory kinds (jax {jax.__version__}), so XLA compiled them as device "
-                   "arguments moved to host first; on a GPU they arrive in host memory: not in "
-                   "the device figures above; the compiled host figure holds that first copy")
     proofs = [t.addressing for t in plan.tags if t.addressing is not None]
     if wrong := [p for p in proofs if p.verdict == addressing.WRONG]:
         out.append(f"DOES NOT WORK: {len(wrong)} of {len(proofs)} host buffers are read back "

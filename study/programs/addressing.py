@@ -128,11 +128,7 @@ class _Interpreter:
         if op == "tuple":
             return tuple(values)
         if op in _PASS_THROUGH:
-            if values and isinstance(values[0], (int, HostBuffer)):
-                return values[0]
-            # A whole array copied into host memory: the state compile-only devices take as
-            # device arguments (study/hardware/compile_only.py's ARRIVAL).
-            return HostBuffer(i.name, i.shape) if op == "copy-done" and i.shape.on_host else None
+            return values[0] if values and isinstance(values[0], (int, HostBuffer)) else None
         if buffer := _host_buffer(i):
             return buffer
         if op in ("dynamic-slice", "dynamic-update-slice"):

@@ -118,29 +118,31 @@ class LayerWeight:
 
 
 def _walk(count: int, gradient: bool) -> tuple[list, str]:
-    """The accesses a layer scan's stacked weights (or their gradient) must see first, in
-    order, as (write, layer), and in words. Weights: read by the forward pass layer 0 first,
-    by the backward pass layer L-1 first. A gradient: written by the backward pass, layer L-1
-    first. (Later accesses read: the update's, which writes new buffers.)"""
+    """The accesses a layer scan's stacked weights (or their gradient) must see, in order, as
+    (write, layer), and in words. Weights: read by the forward pass layer 0 first, by the
+    backward pass layer L-1 first; then read and written over by the update, layer 0 first. A
+    gradient: written by the backward pass, layer L-1 first."""
     layers = list(range(count))
     if gradient:
         return ([(True, n) for n in layers[::-1]],
                 f"the backward pass writes layer {count - 1} first")
-    return ([(False, n) for n in layers + layers[::-1]],
-            f"the forward pass reads layer 0 first, the backward pass layer {count - 1} first")
+    update = [access for n in layers for access in ((False, n), (True, n))]
+    return ([(False, n) for n in layers + layers[::-1]] + update,
+            f"the forward pass reads layer 0 first, the backward pass layer {count - 1} first, "
+            "the update reads and writes each over, layer 0 first")
 
 
 def compiled_layer_weights(hlo: str, stacked: dict[str, dict[str, tuple]]) -> list[LayerWeight]:
     """Each weight of `stacked` (layer scan -> weight -> per-device (shape, dtype), numpy's
     dtype names; the scans in forward order) with the host buffers of an optimized GPU program
     that hold it and its gradient. Op names do not say (XLA drops many), so the accesses do: a
-    buffer the step reads before writing holds weights (the forward pass reads them first),
-    one it writes and then reads a gradient (written by the backward pass, read by the
-    update), one it only writes a new copy of the state. The weights are matched in the order
-    the forward pass reads them, the gradients in the order the backward pass writes them (the
-    last scan first); weights of one shape are told apart by nothing else (any match proves
-    the same). Proved (study/programs/addressing.py), each from the bytes the program means:
-    the walks of `_walk`, and every later access a read (the update's)."""
+    buffer the step reads three times a layer holds weights (the forward pass, its recompute,
+    the update), one it writes a layer at a time and then reads a gradient (written by the
+    backward pass, read by the update). The weights are matched in the order the forward pass
+    reads them, the gradients in the order the backward pass writes them (the last scan
+    first); weights of one shape are told apart by nothing else (any match proves the same).
+    Proved (study/programs/addressing.py), each from the bytes the program means: the walks
+    of `_walk`, and every later access a read."""
     try:
         accesses = addressing.accesses(hlo)
     except CannotVerify as e:
@@ -152,8 +154,11 @@ def compiled_layer_weights(hlo: str, stacked: dict[str, dict[str, tuple]]) -> li
         by_buffer[access.buffer].append(access)
     found = defaultdict(list)  # (gradient?, shape, dtype) -> buffers
     for buffer, done in by_buffer.items():
-        if not done[0].write or not done[-1].write:  # (not a new copy, written only)
-            found[(done[0].write, *_stacked(buffer))].append(buffer)
+        layers, writes = buffer.shape.dims[0], [a.write for a in done]
+        if writes.count(False) == 3 * layers:  # weights: forward, recompute, update
+            found[(False, *_stacked(buffer))].append(buffer)
+        elif writes == [True] * layers + [False] * layers:  # a gradient: made, then read
+            found[(True, *_stacked(buffer))].append(buffer)
     proofs = {}
     for gradient, scans in ((False, list(stacked)), (True, list(stacked)[::-1])):
         for scan in scans:

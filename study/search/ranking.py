@@ -253,12 +253,12 @@ def figures(terms: Terms, work: Workload, hw: Hardware, state_on_host: bool) -> 
     if not state_on_host:
         device = device + work.state_bytes
     if held := work.host_weights + moments:  # the state in host memory between steps
-        # The static plan's host peak: the state, the weights' gradients, and the larger of the
-        # activations and the state's new copy (written after they are freed). After the
+        # The static plan's host peak: the state (updated in place), the weights' gradients
+        # and the activations. After the
         # backward pass each layer's moments come from host and go back, both directions at
         # once, with little compute to hide behind; so the weights' moves (an upper bound:
         # under LHS the layers' own fetches may hide behind their compute).
-        host = held + work.host_weights + np.maximum(terms.host, held)
+        host = held + work.host_weights + terms.host
         to_device, to_host = work.weights_link
         link_s = max(to_device + moments, to_host + moments) / hw.host_link
         terms = dataclasses.replace(terms, host_s=terms.host_s + link_s)

@@ -19,7 +19,6 @@ import math
 import re
 
 from study.programs import hlo
-from study.hardware.compile_only import ARRIVAL
 from study.hardware.gpus import Gpu
 
 STREAMS = ("compute", "collectives", "to host", "from host", "async compute")
@@ -263,15 +262,10 @@ def replay(module: hlo.Module, gpu: Gpu, devices: int, efficiency=None,
 
 def _walk(module, comp, costs, clock, loops):
     dones = {i.operands[0]: i for i in comp.instructions if i.opcode.endswith("-done")}
-    left_out = set()
     for ins in comp.instructions:
         op = ins.opcode
         if op in FREE or (op == "custom-call" and "AllocateBuffer" in ins.attrs.get(
                 "custom_call_target", "")):
-            continue
-        # Compile-only programs move the host state to host first; a GPU has it there.
-        if _arrival(module, comp, ins) or (op.endswith("-done") and ins.operands[0] in left_out):
-            left_out.add(ins.name)
             continue
         if op == "while":
             trips = int(ins.backend_config()["known_trip_count"]["n"])
@@ -286,20 +280,6 @@ def _walk(module, comp, costs, clock, loops):
             clock.done(ins.operands[0])
         else:
             clock.run(ins, costs.of(comp, ins), loops)
-
-
-def _arrival(module, comp, ins) -> bool:
-    """Whether `ins` is a compile-only program's first move of the state a GPU run keeps in
-    host memory (optimizer_state=host, parameters=host) there (study/compiling/compiled_row.py):
-    named so (ARRIVAL), or XLA's copy to host memory of a whole argument of the step, which it
-    names nothing. (A GPU's program takes those arguments in host memory: it has no such copy.)"""
-    if ARRIVAL in _op_name(ins):
-        return True
-    if comp is not module.entry or ins.opcode not in ("copy", "copy-start") or not ins.operands:
-        return False
-    source = comp.by_name.get(ins.operands[0])
-    written = ins.shape.elements[0] if ins.shape.is_tuple else ins.shape
-    return source is not None and source.opcode == "parameter" and written.on_host
 
 
 @dataclasses.dataclass(frozen=True)
