@@ -4,13 +4,14 @@ from configs import deepseek_v3, llama3, shakespeare
 from configs.checks import out_of_range, problems
 from configs.overrides import ConfigError, apply_overrides, parse_overrides
 from configs.settings import (ASYNC_LIMIT, LHS, MESH_AXES, PIPELINED, SCALES, Experiment,
-                              MeshConfig, ModelConfig, OptimizerConfig, RunConfig, xla_flag_value)
+                              MeshConfig, ModelConfig, OptimizerConfig, RunConfig, whole,
+                              xla_flag_value)
 
 __all__ = ["ASYNC_LIMIT", "COMPARISONS", "EXPERIMENTS", "LHS", "MESH_AXES", "PIPELINED", "SCALES",
            "STUDY_TFLOPS",
            "ConfigError", "Experiment", "MeshConfig", "ModelConfig", "OptimizerConfig",
            "RunConfig", "apply_overrides", "get", "out_of_range", "parse_overrides", "problems",
-           "xla_flag_value"]
+           "whole", "xla_flag_value"]
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e for e in (*deepseek_v3.EXPERIMENTS, *llama3.EXPERIMENTS, *shakespeare.EXPERIMENTS)}

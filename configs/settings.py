@@ -88,7 +88,12 @@ XLA_FLAG_TYPES = {LHS: bool, PIPELINED: bool, ASYNC_LIMIT: int}
 
 def xla_flag_value(text: str) -> bool | int | str:
     """An XLA flag's value as a compile passes it (trainer/target.py)."""
-    return {"true": True, "false": False}.get(text.lower(), int(text) if text.isdigit() else text)
+    return {"true": True, "false": False}.get(text.lower(), int(text) if whole(text) else text)
+
+
+def whole(text: str) -> bool:
+    """Whether a word is a whole number `int` reads: ASCII digits (`str.isdigit` takes "²")."""
+    return text.isascii() and text.isdigit()
 
 
 @dataclasses.dataclass(frozen=True)

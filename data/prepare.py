@@ -64,7 +64,8 @@ def parse(argv: list[str]) -> Options:
                         f">= 0 and text_field non-empty")
     spec = options["tokenizer"]
     size = spec.removeprefix("bpe:")
-    if spec.startswith("bpe:") and (not size.isdigit() or int(size) < tokenizers.BYTES + 1):
+    whole = size.isascii() and size.isdigit()  # (str.isdigit alone takes "²")
+    if spec.startswith("bpe:") and (not whole or int(size) < tokenizers.BYTES + 1):
         raise DataError(f"tokenizer={spec}: a byte-level BPE needs N >= {tokenizers.BYTES + 1} "
                         f"(the {tokenizers.BYTES} bytes and {tokenizers.BPE_END_OF_TEXT})")
     return Options(tuple(sources), Path(options["out"]), spec, fraction,

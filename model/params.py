@@ -38,6 +38,20 @@ def param_shardings(specs, rules: AxisRules):
     return jax.tree.map(lambda s: rules.sharding(s.axes), specs, is_leaf=_is_spec)
 
 
+def indivisible(specs, rules: AxisRules) -> str | None:
+    """The first weight an axis of which its mesh axes do not divide (JAX refuses to shard it
+    so), in words; None where every one divides."""
+    sizes = dict(rules.mesh.shape)
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec):
+        for size, logical, axes in zip(spec.shape, spec.axes, rules.spec(spec.axes)):
+            axes = (axes,) if isinstance(axes, str) else axes or ()
+            if size % (devices := math.prod(sizes[a] for a in axes)):
+                name = jax.tree_util.keystr(path, simple=True, separator="/")
+                return (f"{name}: its {logical} axis of {size} does not divide over "
+                        f"{' x '.join(axes)} = {devices} devices")
+    return None
+
+
 def init_params(specs, rules: AxisRules, key: jax.Array, dtype=jnp.float32):
     """Random parameters, each created already sharded: no full tensor on one device."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)

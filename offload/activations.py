@@ -45,6 +45,9 @@ def presets_for(scan_tags: Mapping) -> list[str]:
 
 def resolve(preset: str, changes: Mapping[str, str], scan_tags: Mapping) -> dict:
     """scan -> {tag: placement}: the preset, then `changes`, each checked against the model's."""
+    if preset == AUTO:  # (a run resolves it to a preset before this: runtime/setup.py)
+        raise ValueError(f"preset={AUTO} is chosen by timing compiled candidates on a run's "
+                         f"own devices; name one here: {', '.join([*PRESETS, NO_CHECKPOINT])}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of "
                          f"{', '.join([*PRESETS, NO_CHECKPOINT, AUTO])}")

@@ -47,12 +47,17 @@ def default_host_limit_gib(memory: int) -> int:
     return max(XLA_HOST_LIMIT_GIB, int(0.75 * memory / 2**30))
 
 
+def host_limit_gib() -> int:
+    """XLA's pinned host limit in GiB, as this environment sets it."""
+    value = os.environ.get(HOST_LIMIT_VARIABLE, str(XLA_HOST_LIMIT_GIB))
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise BackendError(f"{HOST_LIMIT_VARIABLE}={value!r}: expected a whole number of GiB")
+    return int(value)
+
+
 def host_limit() -> int:
     """Bytes of pinned host memory this process may hold: XLA's limit, within the host's."""
-    value = os.environ.get(HOST_LIMIT_VARIABLE, str(XLA_HOST_LIMIT_GIB))
-    if not value.isdigit() or int(value) < 1:
-        raise BackendError(f"{HOST_LIMIT_VARIABLE}={value!r}: expected a whole number of GiB")
-    return min(int(value) * 2**30, host_memory())
+    return min(host_limit_gib() * 2**30, host_memory())
 
 
 def has_cuda_plugin() -> bool:

@@ -156,12 +156,23 @@ def knobs(model, run, fixed: set[str], shards: int, host_state: bool) -> list:
     return found
 
 
+def layer_problem(model, fixed: set[str]) -> str | None:
+    """Why the command line's dense layer count leaves a fit too few MoE layers; None: it
+    does not."""
+    dense = getattr(model, "n_dense_layers", None)
+    if "model.n_dense_layers" in fixed and dense + PER_SCAN > model.n_layers:
+        return (f"model.n_dense_layers={dense} leaves fewer than {PER_SCAN} of the "
+                f"{model.n_layers} layers to the MoE scan, which a fit keeps")
+    return None
+
+
 def layer_words(model, fixed: set[str], full: int) -> tuple[Callable[[int], dict], list[int]]:
     """(the words for L layers, the counts to try, up to the experiment's `full` count): at least
     PER_SCAN layers per scan; a DeepSeek model's dense layers first, as many as the
     experiment's, the rest MoE."""
     dense = getattr(model, "n_dense_layers", None)
-    first = PER_SCAN if dense is None else min(dense, PER_SCAN) + PER_SCAN
+    kept = "model.n_dense_layers" in fixed  # (then every count tried has those dense layers)
+    first = PER_SCAN if dense is None else (dense if kept else min(dense, PER_SCAN)) + PER_SCAN
 
     def words(layers: int) -> dict[str, str]:
         said = {"model.n_layers": str(layers)}

@@ -17,7 +17,7 @@ from offload import activations
 from offload import state as host_state
 from runtime import auto, backend, checkpoints, fit as fits, report
 from runtime.own_program import CompiledMemory, size_words
-from trainer.program import Program, quantization_problems
+from trainer.program import Program, quantization_problems, sharding_problems
 from trainer.target import Target
 
 
@@ -113,6 +113,8 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
                             model, recorded=True)
         model, run = configs.apply_overrides(model, run, {
             k: v for k, v in recorded.words.items() if k not in overrides})
+    if scale == "fit" and (problem := fits.layer_problem(model, set(overrides))):
+        raise ConfigError(problem)
     if scale == "fit" and run.init_from:
         raise ConfigError("init_from at fit scale: the fit trains fewer layers than the "
                           "checkpoint holds (scale=full, or a model of its size)")
@@ -129,8 +131,10 @@ def resolve(name: str, args: list[str], devices: tuple = (), full: bool = False)
         raise ConfigError("full scale without its GPUs needs the mesh spelled out: set mesh.fsdp")
     # Every impossible setting at once; NVFP4 widths only once the rest is sound (they are
     # found by tracing the model).
-    found = configs.problems(model, run, run.mesh.devices if full else len(devices))
-    if found := found or quantization_problems(model, run):
+    n_devices = run.mesh.devices if full else len(devices)
+    found = configs.problems(model, run, n_devices)
+    if found := (found or sharding_problems(model, run, n_devices)
+                 or quantization_problems(model, run)):
         raise ConfigError("; ".join(found))
     if run.attention == "cudnn" and not full and devices[0].platform != "gpu":
         raise ConfigError(f"attention=cudnn needs a GPU; this backend is {devices[0].platform}")

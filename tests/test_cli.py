@@ -40,6 +40,7 @@ BAD_INPUT = {
     "sequence past RoPE table": ["llama405b-offload", "seq=200000"],
     "batch not divisible": ["llama405b-offload", "global_batch=12"],
     "mesh does not cover devices": ["llama405b-offload", "mesh.fsdp=3"],
+    "a width the mesh does not divide": ["llama405b-offload", "quant=none", "model.d_model=260"],
     "unknown tag": ["llama405b-offload", "placement.qkv_proj=offload"],
     "bad placement": ["llama405b-offload", "placement.query_proj=disk"],
     "unknown preset": ["llama405b-offload", "preset=everything"],
@@ -121,6 +122,17 @@ STUDY_BAD_INPUT = {
     "expert axis below one, planned": ["plan", "deepseek671b-offload", "mesh.expert=0"],
     "negative expert axis, compiled": ["compile", "deepseek671b-offload", "mesh.expert=-8"],
     "unknown search option": ["search", "llama405b-offload", "search.nope=1"],
+    # The fit on GPUs this machine lacks (python -m study fit):
+    "a GPU count the layer width does not divide": ["fit", "llama405b-offload", "device=h100",
+                                                    "gpus=3"],
+    "GPUs that do not fill their hosts": ["fit", "llama405b-offload", "device=gb200",
+                                          "gpus=6"],
+    "digits int does not read": ["fit", "llama405b-offload", "device=h100", "gpus=\u00b2"],
+    "another scale for the fit": ["fit", "llama405b-offload", "device=h100", "gpus=1",
+                                  "scale=huge"],
+    "dense layers that leave the MoE scan too few": ["fit", "deepseek671b-offload",
+                                                     "device=h100", "gpus=1",
+                                                     "model.n_dense_layers=60"],
 }
 
 
@@ -134,6 +146,28 @@ def test_bad_study_input_is_one_line_and_status_2(args, tmp_path, capsys):
     else:  # the usage, as train.py prints it with no arguments
         assert err == "" and out.startswith("The study tools")
     assert not list(tmp_path.iterdir())  # stopped before any run folder was made
+
+
+def test_a_plan_of_preset_auto_says_why_not(tmp_path, capsys):
+    """preset=auto is chosen by timing programs on a run's devices: a plan is told to name a
+    preset, not that `auto` is unknown while it lists `auto`."""
+    code = study_main(["plan", "llama405b-offload", "preset=auto", f"out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: preset=auto is chosen by timing compiled "
+                                        "candidates") and "auto" not in err.rpartition(":")[2]
+
+
+@pytest.mark.parametrize("mode", ["plan", "fit"])
+def test_a_host_limit_int_does_not_read_is_one_line(mode, monkeypatch, tmp_path, capsys):
+    """XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set in the shell to what is not a whole number of GiB:
+    the study tools say so in one line, as train.py does."""
+    from runtime import backend
+    monkeypatch.setenv(backend.HOST_LIMIT_VARIABLE, "64GB")
+    monkeypatch.setattr(backend, "HOST_LIMIT_GIVEN", True)
+    machine = ["device=h100", "gpus=1"] if mode == "fit" else []
+    code = study_main([mode, "llama405b-offload", *machine, f"out_dir={tmp_path}"])
+    assert (code, capsys.readouterr().err) == (2, (
+        f"error: {backend.HOST_LIMIT_VARIABLE}='64GB': expected a whole number of GiB\n"))
 
 
 @pytest.mark.parametrize("flag, mode", [("--plan", "plan"), ("--compile", "compile"),

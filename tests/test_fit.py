@@ -196,6 +196,17 @@ def test_a_fits_mesh_is_fsdp_over_the_machine_and_the_rows_expert_degree_where_i
     assert runtime_setup.fit_mesh(llama.model, llama.run.mesh, 8).expert == 1
 
 
+def test_a_dense_layer_count_the_command_line_set_is_in_every_count_tried():
+    """DeepSeek's dense layers, first: a fit reduces them with the layers (two of its three at
+    four layers), unless the command line set them; then every count tried keeps them and at
+    least two MoE layers."""
+    model = configs.get("deepseek671b-offload").model  # 3 dense of 61
+    words, counts = fits.layer_words(model, set(), 61)
+    assert counts[0] == 4 and words(4) == {"model.n_layers": "4", "model.n_dense_layers": "2"}
+    words, counts = fits.layer_words(model, {"model.n_dense_layers"}, 61)
+    assert counts[0] == 5 and words(5) == {"model.n_layers": "5"}
+
+
 def test_the_budget_is_the_pool_less_the_margin_and_the_pinned_host_memory_shared(monkeypatch):
     budget = fits.budget(0.0, 100 * GiB, 64 * GiB, 8)
     assert (budget.device, budget.host) == (90 * GiB, int(8 * GiB * 0.9))

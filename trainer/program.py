@@ -13,7 +13,7 @@ from configs import MESH_AXES, ConfigError, RunConfig
 from model import families, quant
 from model.options import ForwardOptions
 from model.experts import ExpertParallel
-from model.params import abstract_params, init_params, param_shardings
+from model.params import abstract_params, indivisible, init_params, param_shardings
 from model.sharding import AxisRules, make_mesh
 from offload import activations
 from runtime.backend import explained_compile
@@ -105,6 +105,14 @@ def make_loss(model, run: RunConfig, options: ForwardOptions):
     parameters then hold only that device's routed experts, as the study tools trace it)."""
     return partial(loss_fn, model=model, options=options,
                    balance_weight=run.balance_loss_weight, loss_chunks=run.loss_chunks)
+
+
+def sharding_problems(model, run: RunConfig, n_devices: int) -> list[str]:
+    """Whether the run's mesh divides every sharded axis of the model's weights."""
+    mesh = jax.sharding.AbstractMesh(run.mesh.shape(n_devices), MESH_AXES)
+    problem = indivisible(families.of(model).param_specs(model), AxisRules(mesh=mesh))
+    shape = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, run.mesh.shape(n_devices)))
+    return [f"the mesh ({shape}) does not fit the model: {problem}"] if problem else []
 
 
 def quantization_problems(model, run: RunConfig) -> list[str]:

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import jax
 
-from configs import ConfigError
+from configs import ConfigError, whole
 from model import families
 from runtime import backend, header
 from runtime import setup as runtime_setup
@@ -83,7 +83,7 @@ def options_of(argv: list[str]) -> dict:
     found = dict(OPTIONS)
     for word in argv:
         key, _, value = word.partition("=")
-        if key not in OPTIONS or not value.isdigit() or int(value) < (key != "profile") or (
+        if key not in OPTIONS or not whole(value) or int(value) < (key != "profile") or (
                 key == "profile" and int(value) > 1):
             raise ConfigError(f"{word!r}: cpu-step takes steps=N and rounds=N (whole numbers "
                               ">= 1) and profile=0|1")

@@ -116,7 +116,7 @@ def machines(device: str, gpus: str) -> list[tuple[Gpu, int]]:
     """The machines `device=` and `gpus=` pick (both: that one; neither: MACHINES)."""
     if device and device not in GPUS:
         raise ConfigError(f"device={device!r}: choose one of {', '.join(GPUS)}")
-    if gpus and not (gpus.isdigit() and int(gpus) >= 1):
+    if gpus and not (configs.whole(gpus) and int(gpus) >= 1):
         raise ConfigError(f"gpus={gpus!r}: expected a whole number of GPUs, at least 1")
     if device and gpus:
         return [(GPUS[device], int(gpus))]
@@ -128,6 +128,9 @@ def main(argv: list[str]) -> int:
     _, names, words = command_line.tool_words(USAGE, argv, {}, keys=True)
     study = {w.partition("=")[0]: w.partition("=")[2] for w in words
              if w.startswith(("device=", "gpus="))}
+    if other := [w for w in words if w.startswith("scale=") and w != "scale=fit"]:
+        raise ConfigError(f"{other[0]}: python -m study fit compiles the fit scale only "
+                          "(scale=fit, or no scale= word)")
     args = [w for w in words if not w.startswith(("device=", "gpus=", "scale="))]
     chosen = machines(study.get("device", ""), study.get("gpus", ""))
     if not chosen:

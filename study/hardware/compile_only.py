@@ -4,7 +4,6 @@ the device and pinned host memory a run takes of a GPU."""
 
 import dataclasses
 import functools
-import os
 from unittest import mock
 
 import jax
@@ -33,7 +32,7 @@ def host_limit(gpu: Gpu, gpus: int) -> int:
     host's): XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB if this shell set it, else what a run there sets
     (runtime/backend.py), within the host's memory (study/hardware/gpus.py)."""
     memory = gpu.host_memory * min(gpu.per_host, gpus)
-    gib = (int(os.environ[backend.HOST_LIMIT_VARIABLE]) if backend.HOST_LIMIT_GIVEN
+    gib = (backend.host_limit_gib() if backend.HOST_LIMIT_GIVEN
            else backend.default_host_limit_gib(memory))
     return min(gib * 2**30, memory)
 

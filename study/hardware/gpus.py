@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from configs import ConfigError
+
 SPECS = Path(__file__).resolve().parent / "gpu_specs"
 
 
@@ -71,7 +73,8 @@ class Gpu:
         """XLA's topology for `devices` GPUs in hosts of `per_host`: slices x hosts x GPUs."""
         per_host = min(self.per_host, devices)
         if devices % per_host:
-            raise ValueError(f"{devices} {self.name} GPUs do not fill hosts of {per_host}")
+            raise ConfigError(f"gpus={devices}: {self.name} GPUs come {per_host} to a host; "
+                              f"give at most {per_host} or a multiple of {per_host}")
         return f"1x{devices // per_host}x{per_host}"
 
 

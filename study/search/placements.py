@@ -47,11 +47,11 @@ def split_options(args: list[str]) -> tuple[list[str], dict]:
         else:
             options[key[7:]] = value
     for key in ("top", "exact", "verify"):
-        if not options[key].isdigit():
+        if not configs.whole(options[key]):
             raise ConfigError(f"search.{key}={options[key]!r}: expected a whole number")
     if options["plot"] not in PLOTS:
         raise ConfigError(f"search.plot={options['plot']!r}: choose one of {', '.join(PLOTS)}")
-    if options["workers"] != "auto" and not options["workers"].isdigit():
+    if options["workers"] != "auto" and not configs.whole(options["workers"]):
         raise ConfigError(f"search.workers={options['workers']!r}: expected auto or a whole number")
     return rest, options
 
@@ -86,7 +86,7 @@ def batches_of(experiment: Experiment, text: str) -> list[int]:
     if not text:
         n = experiment.run.per_device_batch
         return [b for b in range(1, n + 1) if n % b == 0]
-    found = sorted({int(b) if b.strip().isdigit() else 0 for b in text.split(",")})
+    found = sorted({int(b) if configs.whole(b.strip()) else 0 for b in text.split(",")})
     if found[0] < 1:
         raise ConfigError(f"search.batches={text!r}: expected whole numbers >= 1, e.g. 1,2,4")
     return found
@@ -109,7 +109,7 @@ def experts_of(experiment: Experiment, gpu: Gpu, text: str) -> list[int]:
         powers = [2**i for i in range(1, per_replica.bit_length())]
         return sorted({run.mesh.expert} | {e for e in powers if e <= domain and not (
             model.n_experts % e or per_replica % e)})
-    found = sorted({int(e) if e.strip().isdigit() else 0 for e in text.split(",")})
+    found = sorted({int(e) if configs.whole(e.strip()) else 0 for e in text.split(",")})
     if any(e < 1 or model.n_experts % e or per_replica % e for e in found):
         raise ConfigError(f"search.experts={text!r}: each must divide the {model.n_experts} "
                           f"experts and the {per_replica} devices of a data replica")
