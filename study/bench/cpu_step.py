@@ -14,6 +14,7 @@ fetched as floats)."""
 import dataclasses
 import multiprocessing
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -104,10 +105,12 @@ def measured(what: tuple[str, list[str]], rounds: int, steps: int, flops: float,
              "about": f"{header.model_line(size.setup.model)}; batch "
                       f"{size.setup.run.per_device_batch} x {size.setup.run.seq}, preset "
                       f"{size.setup.run.preset}, {size.flops / 1e9:.2f} GFLOP/step"}
-    for _ in range(rounds):
+    for done in range(1, rounds + 1):
         found["ceiling"].append(matmul_ceiling())
         for mode in ("step", "loop"):
             found[mode].append(size.time(steps, mode == "loop"))
+        print(f"  round {done} of {rounds}: step {found['step'][-1] * 1e3:.1f} ms",
+              file=sys.stderr, flush=True)  # (progress: a loaded machine takes minutes)
     found["profile"] = profiled(size, steps) if profile else []
     return found
 
@@ -116,6 +119,8 @@ def main(argv: list[str]) -> int:
     options = options_of(argv)
     sizes, flops = {}, 0.0
     for label, what in SIZES.items():  # nanoGPT's size first: its steps' FLOPs set the others'
+        print(f"cpu-step: {label}, compiling and timing in a process of its own",
+              file=sys.stderr, flush=True)
         with ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) as alone:
             sizes[label] = alone.submit(measured, what, options["rounds"], options["steps"],
                                         flops, label == "nanogpt" and options["profile"]).result()
