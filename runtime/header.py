@@ -8,6 +8,7 @@ from configs import MESH_AXES
 from model import families
 from model.config import LlamaConfig
 from model.params import param_count
+from offload import activations
 from runtime import backend, own_program
 from runtime.own_program import GiB, size_words
 
@@ -75,13 +76,24 @@ def settings_rows(setup, target, options, run_dir, first_step: int) -> dict[str,
     return {k: v for k, v in rows.items() if v}
 
 
+# The words that change what a fit keeps of the experiment.
+KEPT = ("model.", "seq=", "per_device_batch=", "compute_dtype=", "param_dtype=", "quant",
+        "preset=", "placement.", "xla_flags.")
+
+
 def _fit_words(setup, target) -> str:
     """What a fit keeps and reduces, the machine and its budget, what the search found."""
     fit, full = setup.fit, setup.experiment.model
     reduced = [f"layers {fit.layers} of {full.n_layers}", *fit.reductions()]
     memory = fit.memory
-    words = [f"kept: the experiment's layer, sequence, micro batch per device, dtypes, NVFP4, "
-             f"placement and XLA flags (below); reduced: {'; '.join(reduced)}",
+    placement = ("the placement preset=auto chose" if setup.run.preset == activations.AUTO
+                 else "placement")
+    given = [a for a in setup.args if a.startswith(KEPT) and a.partition("=")[0] not in fit.words]
+    kept = (f"the experiment's layer, sequence, micro batch per device, dtypes, NVFP4, "
+            f"{placement} and XLA flags (below)")
+    if given:
+        kept += f", with the command line's {' '.join(given)}"
+    words = [f"kept: {kept}; reduced: {'; '.join(reduced)}",
              f"machine: {target.description}; budget per device {fit.budget.device_words}, "
              f"host {fit.budget.host_words}",
              f"{fit.found()}: {fit.layers} layers take {size_words(memory.device)} per device and "

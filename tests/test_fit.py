@@ -63,7 +63,11 @@ def test_a_fit_run_trains_the_most_layers_whose_compiled_program_fits(tmp_path, 
                               "steps=2"], tmp_path, capsys)
     assert code == 0, err
     assert "FIT -- the experiment's own layers, as many as fit this machine" in out
-    assert "reduced: layers 5 of 126\n" in out and "machine: 8 x cpu; budget per device " in out
+    assert ("kept: the experiment's layer, sequence, micro batch per device, dtypes, NVFP4, "
+            "placement and XLA flags (below), with the command line's model.d_model=64 "
+            "model.n_heads=4 model.n_kv_heads=2 model.head_dim=16 model.d_ff=128 seq=32 "
+            "quant=none model.vocab=512; reduced: layers 5 of 126\n") in out
+    assert "machine: 8 x cpu; budget per device " in out
     assert re.search(r"budget per device \d+ \wiB \(fit_memory=[\d.e-]+ GiB\)", out)
     assert (f"5 layers take {size_words(five.device)} per device and 0 KiB in host memory "
             f"(compiled); one more layer does not fit: {size_words(six.device)}") in out
