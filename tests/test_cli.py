@@ -122,17 +122,6 @@ STUDY_BAD_INPUT = {
     "expert axis below one, planned": ["plan", "deepseek671b-offload", "mesh.expert=0"],
     "negative expert axis, compiled": ["compile", "deepseek671b-offload", "mesh.expert=-8"],
     "unknown search option": ["search", "llama405b-offload", "search.nope=1"],
-    # The fit on GPUs this machine lacks (python -m study fit):
-    "a GPU count the layer width does not divide": ["fit", "llama405b-offload", "device=h100",
-                                                    "gpus=3"],
-    "GPUs that do not fill their hosts": ["fit", "llama405b-offload", "device=gb200",
-                                          "gpus=6"],
-    "digits int does not read": ["fit", "llama405b-offload", "device=h100", "gpus=\u00b2"],
-    "another scale for the fit": ["fit", "llama405b-offload", "device=h100", "gpus=1",
-                                  "scale=huge"],
-    "dense layers that leave the MoE scan too few": ["fit", "deepseek671b-offload",
-                                                     "device=h100", "gpus=1",
-                                                     "model.n_dense_layers=60"],
 }
 
 
@@ -148,6 +137,34 @@ def test_bad_study_input_is_one_line_and_status_2(args, tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # stopped before any run folder was made
 
 
+# The fit on GPUs this machine lacks (python -m study fit): bad input is one line naming it,
+# before anything compiles (what most of them say needs the compile-only GPUs).
+FIT_BAD_INPUT = {
+    "a GPU count the layer width does not divide": (
+        ["device=h100", "gpus=3"], "error: the mesh (data=1 x fsdp=3 x expert=1) does not fit "
+        "the model: embed: its embed axis of 16384 does not divide over fsdp x expert = 3"),
+    "GPUs that do not fill their hosts": (
+        ["device=gb200", "gpus=6"], "error: gpus=6: gb200 GPUs come 4 to a host"),
+    "digits int does not read": (["device=h100", "gpus=\u00b2"], "error: gpus='\u00b2': expected"),
+    "another scale for the fit": (["device=h100", "gpus=1", "scale=huge"],
+                                  "error: scale=huge: python -m study fit compiles the fit scale"),
+    "dense layers that leave the MoE scan too few": (
+        ["device=h100", "gpus=1", "model.n_dense_layers=60"],
+        "error: model.n_dense_layers=60 leaves fewer than 2 of the 61 layers to the MoE scan"),
+}
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("args, says", FIT_BAD_INPUT.values(), ids=FIT_BAD_INPUT.keys())
+def test_bad_fit_input_is_one_line_naming_it(args, says, tmp_path, capsys):
+    name = "deepseek671b-offload" if "model.n_dense_layers=60" in args else "llama405b-offload"
+    code = study_main(["fit", name, *args, f"out_dir={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith(says) and err.count("\n") == 1, err
+    assert "|" not in out  # no table begun
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_plan_of_preset_auto_says_why_not(tmp_path, capsys):
     """preset=auto is chosen by timing programs on a run's devices: a plan is told to name a
     preset, not that `auto` is unknown while it lists `auto`."""
@@ -157,7 +174,7 @@ def test_a_plan_of_preset_auto_says_why_not(tmp_path, capsys):
                                         "candidates") and "auto" not in err.rpartition(":")[2]
 
 
-@pytest.mark.parametrize("mode", ["plan", "fit"])
+@pytest.mark.parametrize("mode", ["plan", pytest.param("fit", marks=pytest.mark.gpu_compile)])
 def test_a_host_limit_int_does_not_read_is_one_line(mode, monkeypatch, tmp_path, capsys):
     """XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set in the shell to what is not a whole number of GiB:
     the study tools say so in one line, as train.py does."""
