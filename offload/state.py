@@ -173,11 +173,15 @@ def moment_bytes(opt_state) -> int:
     return per_device_bytes([x for x in jax.tree.leaves(opt_state) if x.ndim])
 
 
+def in_host_memory(leaf) -> bool:
+    """Whether a sharded ShapeDtypeStruct of the train state lies in pinned host memory."""
+    return leaf.sharding.memory_kind == "pinned_host"
+
+
 def host_need(state) -> int:
     """Per device, the host memory a train state (sharded ShapeDtypeStructs) takes during a
     step: what its shardings place in pinned host memory (updated in place) and the gradients
     of the weights there."""
-    on_host = [x for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
-    weights = [x for x in jax.tree.leaves(state["params"])
-               if x.sharding.memory_kind == "pinned_host"]
+    on_host = [x for x in jax.tree.leaves(state) if in_host_memory(x)]
+    weights = [x for x in jax.tree.leaves(state["params"]) if in_host_memory(x)]
     return per_device_bytes(on_host) + per_device_bytes(weights)

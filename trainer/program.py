@@ -109,10 +109,12 @@ def make_loss(model, run: RunConfig, options: ForwardOptions):
 
 def sharding_problems(model, run: RunConfig, n_devices: int) -> list[str]:
     """Whether the run's mesh divides every sharded axis of the model's weights."""
-    mesh = jax.sharding.AbstractMesh(run.mesh.shape(n_devices), MESH_AXES)
-    problem = indivisible(families.of(model).param_specs(model), AxisRules(mesh=mesh))
-    shape = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, run.mesh.shape(n_devices)))
-    return [f"the mesh ({shape}) does not fit the model: {problem}"] if problem else []
+    shape = run.mesh.shape(n_devices)
+    rules = AxisRules(mesh=jax.sharding.AbstractMesh(shape, MESH_AXES))
+    if problem := indivisible(families.of(model).param_specs(model), rules):
+        mesh = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, shape))
+        return [f"the mesh ({mesh}) does not fit the model: {problem}"]
+    return []
 
 
 def quantization_problems(model, run: RunConfig) -> list[str]:

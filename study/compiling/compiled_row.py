@@ -7,6 +7,7 @@ import functools
 
 import jax
 
+from offload.state import in_host_memory
 from runtime.own_program import CompiledMemory, size_words
 from runtime.setup import Setup
 from study.plan import memory_plan
@@ -65,8 +66,7 @@ class CompiledRow:
     def host_weights(self) -> list[offload_proof.LayerWeight]:
         """parameters=host: each layer scan's stacked weights, per device, with the compiled
         program's host buffers of them and of their gradients (none otherwise)."""
-        on_host = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host",
-                               self.program.state_shapes["params"])
+        on_host = jax.tree.map(in_host_memory, self.program.state_shapes["params"])
         stacked = {scan: {jax.tree_util.keystr(path, simple=True, separator="/"): (
                               tuple(x.sharding.shard_shape(x.shape)), str(x.dtype))
                           for path, x in jax.tree_util.tree_leaves_with_path(params)}

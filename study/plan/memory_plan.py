@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from configs import PIPELINED, Experiment
-from offload.state import moment_bytes, per_device_bytes
+from offload.state import in_host_memory, moment_bytes, per_device_bytes
 from study.hardware.compile_only import pool_bytes
 from study.hardware.gpus import Gpu
 from study.plan.traced_step import TracedStep, traced_step
@@ -125,7 +125,7 @@ def host_state_buffers(step: TracedStep) -> set[tuple]:
     gradients and new copies): the host buffers of a compiled program that are not offloaded
     activations."""
     return {(tuple(leaf.sharding.shard_shape(leaf.shape)), str(leaf.dtype))
-            for leaf in jax.tree.leaves(step.state) if leaf.ndim > 1 and _on_host(leaf)}
+            for leaf in jax.tree.leaves(step.state) if leaf.ndim > 1 and in_host_memory(leaf)}
 
 
 def tag_lines(step: TracedStep, placement: dict | None,
@@ -178,14 +178,10 @@ def plan(step: TracedStep, placement: dict | None, tags: list[TagLine], capacity
         matrices=step.quantizable_matrices() if step.run.quant != "none" else None,
         optimizer_on_host=step.run.optimizer_state == "host",
         host_params=per_device_bytes([x for x in jax.tree.leaves(step.state["params"])
-                                      if _on_host(x)]),
+                                      if in_host_memory(x)]),
         host_layer=layer_from_host(step), moments=moment_bytes(step.state["opt_state"]),
         link=step.state_moves(placement) if on_host else (0, 0),
         transposed_weights=transposed_weights(step), pipelined=pipelined(step, tags))
-
-
-def _on_host(leaf) -> bool:
-    return leaf.sharding.memory_kind == "pinned_host"
 
 
 def layer_from_host(step: TracedStep) -> int:
@@ -194,9 +190,9 @@ def layer_from_host(step: TracedStep) -> int:
     its gradient before it goes to host memory, each its FSDP shard in the parameters' dtype.
     (The update brings a layer's weights and gradient, and writes its new weights, after the
     backward pass has freed the activations.)"""
-    return 2 * max((per_device_bytes(step.state["params"][s]) // step.layers[s]
-                    for s in step.scans
-                    if any(map(_on_host, jax.tree.leaves(step.state["params"][s])))), default=0)
+    params = step.state["params"]
+    return 2 * max((per_device_bytes(params[s]) // step.layers[s] for s in step.scans
+                    if any(map(in_host_memory, jax.tree.leaves(params[s])))), default=0)
 
 
 def pipelined(step: TracedStep, tags: list[TagLine]) -> int:
@@ -220,7 +216,7 @@ def transposed_weights(step: TracedStep) -> int:
     copied = []
     for scan in step.scans:
         for leaf in step.state["params"][scan].values():
-            if _on_host(leaf):
+            if in_host_memory(leaf):
                 continue
             sharded = [i for i, axis in enumerate(leaf.sharding.spec) if i and axis is not None]
             if sharded and np.prod(leaf.shape[1:sharded[0]]) > 1:
